@@ -1,0 +1,156 @@
+"""What the trainer-level benchmarks share: synthetic packed data, step timing with CUDA events, result tables.
+
+Timing contract: a step is timed from ``on_step_begin`` to ``on_step_end`` with CUDA events (forward, backward and
+optimizer included); forward and backward are split by events around ``compute_loss``. The first ``warmup`` steps
+are dropped; the median of the rest is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+
+
+def packed_token_dataset(n_docs: int, vocab_size: int, mean_len: int = 400, spread: int = 100, seed: int = 0) -> Dataset:
+    """Pre-tokenized documents of about ``mean_len`` tokens (TRL packs them; it skips tokenization for input_ids)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n_docs):
+        n = rng.randint(mean_len - spread, mean_len + spread)
+        rows.append({"input_ids": [rng.randrange(10, vocab_size) for _ in range(n)]})
+    return Dataset.from_list(rows)
+
+
+@dataclass
+class StepTimes:
+    step_ms: list[float] = field(default_factory=list)
+    fwd_ms: list[float] = field(default_factory=list)
+    bwd_ms: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    first_step_s: float | None = None
+
+
+class StepTimer(TrainerCallback):
+    """CUDA-event step timer; the trainer mixin below adds the forward/backward split."""
+
+    def __init__(self) -> None:
+        self.times = StepTimes()
+        self._begin = None
+        self._t0 = None
+
+    def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001
+        self._t0 = time.perf_counter()
+
+    def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001
+        self._begin = torch.cuda.Event(enable_timing=True)
+        self._begin.record()
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        if self.times.first_step_s is None:
+            self.times.first_step_s = time.perf_counter() - self._t0
+        self.times.step_ms.append(self._begin.elapsed_time(end))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001
+        if logs and "loss" in logs:
+            self.times.losses.append(float(logs["loss"]))
+
+
+class TimedStepMixin:
+    """Mix into a Trainer subclass: records forward/backward CUDA events and the tokens of each step."""
+
+    step_timer: StepTimer
+
+    def training_step(self, model, inputs, *args, **kwargs):  # noqa: ANN001
+        start = torch.cuda.Event(enable_timing=True)
+        self._nbkit_fwd_end = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        self.step_timer.times.tokens.append(int(inputs["input_ids"].numel()))
+        start.record()
+        out = super().training_step(model, inputs, *args, **kwargs)
+        end.record()
+        end.synchronize()
+        self.step_timer.times.fwd_ms.append(start.elapsed_time(self._nbkit_fwd_end))
+        self.step_timer.times.bwd_ms.append(self._nbkit_fwd_end.elapsed_time(end))
+        return out
+
+    def compute_loss(self, *args, **kwargs):  # noqa: ANN001
+        out = super().compute_loss(*args, **kwargs)
+        self._nbkit_fwd_end.record()
+        return out
+
+
+def summarize(name: str, times: StepTimes, warmup: int, peak_bytes: int, extra: dict[str, Any] | None = None) -> dict:
+    steps = times.step_ms[warmup:] or times.step_ms
+    fwd = times.fwd_ms[warmup:] or times.fwd_ms
+    bwd = times.bwd_ms[warmup:] or times.bwd_ms
+    toks = times.tokens[warmup:] or times.tokens
+    step = statistics.median(steps)
+    row = {
+        "path": name,
+        "step_ms": step,
+        "fwd_ms": statistics.median(fwd) if fwd else float("nan"),
+        "bwd_ms": statistics.median(bwd) if bwd else float("nan"),
+        "tokens_per_step": statistics.median(toks) if toks else 0,
+        "tok_per_s": (statistics.median(toks) / step * 1000) if toks else 0.0,
+        "peak_gib": peak_bytes / 2**30,
+        "loss_first": times.losses[0] if times.losses else float("nan"),
+        "loss_mean": statistics.fmean(times.losses) if times.losses else float("nan"),
+        "losses": times.losses,
+        "first_step_s": times.first_step_s,
+        "steps_timed": len(steps),
+        "step_ms_all": times.step_ms,
+    }
+    row.update(extra or {})
+    return row
+
+
+def markdown_table(rows: list[dict], baseline: str | None = None) -> str:
+    base = next((r for r in rows if r["path"] == baseline), None)
+    head = "| path | step ms | fwd ms | bwd ms | tok/s | speedup | peak GiB | loss (first, mean) | first step s |"
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['path']} | failed: {r['error'][:80]} |" + " |" * 7)
+            continue
+        ratio = f"{base['step_ms'] / r['step_ms']:.2f}x" if base and not base.get("error") else "-"
+        lines.append(
+            f"| {r['path']} | {r['step_ms']:,.0f} | {r['fwd_ms']:,.0f} | {r['bwd_ms']:,.0f} | {r['tok_per_s']:,.0f} | "
+            f"{ratio} | {r['peak_gib']:.1f} | {r['loss_first']:.4f}, {r['loss_mean']:.4f} | "
+            f"{(r['first_step_s'] or 0):.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def environment() -> dict[str, str]:
+    import transformers
+
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d")}
+    for mod in ("trl", "peft", "bitsandbytes", "flash_attn"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:
+            env[mod] = "absent"
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = str(torch.version.cuda)
+    return env
+
+
+def write_results(name: str, payload: dict) -> None:
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, f"{name}.json"), "w") as f:
+            json.dump(payload, f, indent=1, default=str)

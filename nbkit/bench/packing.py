@@ -1,0 +1,109 @@
+"""Cached packing benchmark: plain TRL SFTTrainer (sdpa, flex attention) vs FastSFT, side by side in one run.
+
+Workload (issue 2): Qwen3-1.7B-shaped model with random bf16 weights, LoRA r=16 on all 7 projections, one packed row
+of 16,384 tokens per step from documents of about 400 tokens, gradient checkpointing on.
+
+Prediction (written before the first run). Matmuls: 6 x 1.72e9 x 16,384 x (1 + 1/3 recompute) ~ 2.3e14 FLOP, about
+0.29 s at 779 TFLOP/s; the LoRA side-products, norms and the loss over 152K vocab add ~0.3-0.4 s of memory-bound
+work. Attention: per layer forward 0.34 ms varlen vs 7.5 ms dense-mask SDPA (FACTS.md); x 28 layers x (fwd +
+recompute + ~2.5x bwd) is ~0.04 s for varlen against ~0.9 s for the dense mask. So plain sdpa ~1.8 s, FastSFT
+~0.95-1.0 s (~1.85x), the per-document SDPA path (T4 path, forced) ~1.2 s: between the two.
+
+    python -m nbkit.bench.packing [--tokens 16384] [--steps 6] [--warmup 2] [--paths sdpa,flex,nbkit,nbkit_sdpa_loop]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import traceback
+
+import torch
+
+from .common import StepTimer, TimedStepMixin, environment, markdown_table, packed_token_dataset, summarize, write_results
+
+QWEN3_1_7B = dict(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build_model(attn: str, layers: int | None, seed: int = 0):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    shape = dict(QWEN3_1_7B)
+    if layers:
+        shape["num_hidden_layers"] = layers
+    config = Qwen3Config(**shape, attn_implementation=attn)
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model
+
+
+def run_path(path: str, dataset, args) -> dict:
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    from nbkit import FastSFT, FastSFTConfig
+
+    attn = {"sdpa": "sdpa", "flex": "flex_attention"}.get(path, "sdpa")
+    model = build_model(attn, args.layers)
+    common = dict(
+        output_dir=f"/tmp/nbkit-bench-{path}", max_steps=args.warmup + args.steps, per_device_train_batch_size=1,
+        packing=True, max_length=args.tokens, bf16=True, gradient_checkpointing=True, learning_rate=1e-4,
+        logging_steps=1, report_to=[], save_strategy="no", dataloader_num_workers=0, seed=0, disable_tqdm=True,
+    )
+    peft_config = LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, lora_dropout=0.0)
+    timer = StepTimer()
+    if path.startswith("nbkit"):
+        kernel = path.split("_", 1)[1] if "_" in path else "auto"
+        trainer_cls = type("TimedFastSFT", (TimedStepMixin, FastSFT), {})
+        config = FastSFTConfig(**common, attention_kernel=kernel, offload_checkpointing=False, live_dashboard=False)
+    else:
+        trainer_cls = type("TimedSFT", (TimedStepMixin, SFTTrainer), {})
+        config = SFTConfig(**common)
+    trainer = trainer_cls(model=model, args=config, train_dataset=dataset, peft_config=peft_config, callbacks=[timer])
+    trainer.step_timer = timer
+    torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    peak = torch.cuda.max_memory_allocated()
+    extra = {"speedups": getattr(trainer, "nbkit_attached", [])}
+    del trainer, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return summarize(path, timer.times, args.warmup, peak, extra)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=None, help="shrink the model (default: the full 28 layers)")
+    parser.add_argument("--paths", default="sdpa,nbkit,nbkit_sdpa_loop,flex")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
+    n_docs = (args.warmup + args.steps + 2) * args.tokens // 400 + 8
+    dataset = packed_token_dataset(n_docs, QWEN3_1_7B["vocab_size"])
+    rows = []
+    for path in args.paths.split(","):
+        try:
+            rows.append(run_path(path, dataset, args))
+        except Exception as exc:  # one failing path must not lose the others' numbers
+            traceback.print_exc()
+            rows.append({"path": path, "error": f"{type(exc).__name__}: {exc}"})
+            gc.collect()
+            torch.cuda.empty_cache()
+        print(rows[-1], flush=True)
+    env = environment()
+    write_results("bench_packing", {"env": env, "args": vars(args), "rows": rows})
+    print(env)
+    print(markdown_table(rows, baseline="sdpa"))
+
+
+if __name__ == "__main__":
+    main()

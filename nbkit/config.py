@@ -1,0 +1,71 @@
+"""``FastSFTConfig``: TRL's ``SFTConfig`` plus one switch per nbkit speedup.
+
+Every switch only changes speed or memory, never the numbers: a switch turned off gives plain TRL's code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+from trl import SFTConfig
+
+AutoBool = Union[bool, Literal["auto"]]
+
+
+@dataclass
+class FastSFTConfig(SFTConfig):
+    """``SFTConfig`` with nbkit's switches. All TRL fields keep their meaning and defaults."""
+
+    cached_packing: bool = field(
+        default=True,
+        metadata={
+            "help": "Build each batch's document boundaries (cu_seqlens, max_seqlen, position ids) once on the host "
+            "at collate time and run attention through nbkit's varlen kernels: no dense T x T mask, no per-layer "
+            "rebuild, no GPU-to-CPU sync in the forward. Without packing, batches go padding-free as well."
+        },
+    )
+    attention_kernel: str = field(
+        default="auto",
+        metadata={
+            "help": "Kernel for the 'nbkit' attention: 'auto' (best present), 'flash_attn', 'varlen' (torch's "
+            "varlen flash kernel), 'flex' (flex attention, block mask built once per step), 'sdpa_loop' (one SDPA "
+            "call per document, the path for CPUs and older GPUs)."
+        },
+    )
+    offload_checkpointing: AutoBool = field(
+        default="auto",
+        metadata={
+            "help": "Keep checkpointed layer inputs in pinned CPU memory, copied on a side stream. 'auto': on where "
+            "it pays (CUDA with gradient checkpointing and large activations), off on CPU and in eval."
+        },
+    )
+    offload_double_buffer: bool = field(
+        default=True,
+        metadata={"help": "Prefetch the next layer's input into a second GPU buffer while the current recomputes."},
+    )
+    offload_min_bytes: int = field(
+        default=64 * 2**20,
+        metadata={"help": "'auto' offloads only when one layer's checkpointed input is at least this large."},
+    )
+    fast_moe_routing: bool = field(
+        default=True,
+        metadata={
+            "help": "Run MoE experts through nbkit's routing: one sort by expert, contiguous slices or one grouped "
+            "matmul, LoRA on experts as low-rank products."
+        },
+    )
+    live_dashboard: AutoBool = field(
+        default="auto",
+        metadata={"help": "Attach nbkit.LiveDashboard: 'auto' inside a notebook, True always, False never."},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        allowed = {"auto", "flash_attn", "varlen", "flex", "sdpa_loop"}
+        if self.attention_kernel not in allowed:
+            raise ValueError(f"attention_kernel={self.attention_kernel!r}: choose one of {sorted(allowed)}")
+        for name in ("offload_checkpointing", "live_dashboard"):
+            value = getattr(self, name)
+            if value not in (True, False, "auto"):
+                raise ValueError(f"{name}={value!r}: use True, False or 'auto'")
