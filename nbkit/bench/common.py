@@ -30,6 +30,30 @@ def packed_token_dataset(n_docs: int, vocab_size: int, mean_len: int = 400, spre
     return Dataset.from_list(rows)
 
 
+class _HostEvent:
+    """Stand-in for torch.cuda.Event on a machine without CUDA (smoke runs of the benchmarks on CPU)."""
+
+    def __init__(self, enable_timing: bool = True) -> None:
+        self.t = None
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "_HostEvent") -> float:
+        return (end.t - self.t) * 1000.0
+
+
+def event() -> Any:
+    return torch.cuda.Event(enable_timing=True) if torch.cuda.is_available() else _HostEvent()
+
+
+def peak_memory() -> int:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
 @dataclass
 class StepTimes:
     step_ms: list[float] = field(default_factory=list)
@@ -52,11 +76,11 @@ class StepTimer(TrainerCallback):
         self._t0 = time.perf_counter()
 
     def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001
-        self._begin = torch.cuda.Event(enable_timing=True)
+        self._begin = event()
         self._begin.record()
 
     def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
-        end = torch.cuda.Event(enable_timing=True)
+        end = event()
         end.record()
         end.synchronize()
         if self.times.first_step_s is None:
@@ -74,9 +98,9 @@ class TimedStepMixin:
     step_timer: StepTimer
 
     def training_step(self, model, inputs, *args, **kwargs):  # noqa: ANN001
-        start = torch.cuda.Event(enable_timing=True)
-        self._nbkit_fwd_end = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+        start = event()
+        self._nbkit_fwd_end = event()
+        end = event()
         self.step_timer.times.tokens.append(int(inputs["input_ids"].numel()))
         start.record()
         out = super().training_step(model, inputs, *args, **kwargs)
@@ -93,18 +117,24 @@ class TimedStepMixin:
 
 
 def summarize(name: str, times: StepTimes, warmup: int, peak_bytes: int, extra: dict[str, Any] | None = None) -> dict:
-    steps = times.step_ms[warmup:] or times.step_ms
-    fwd = times.fwd_ms[warmup:] or times.fwd_ms
-    bwd = times.bwd_ms[warmup:] or times.bwd_ms
-    toks = times.tokens[warmup:] or times.tokens
+    """Median over the timed steps whose row is full (>= 90% of the largest): BFD packing leaves a few short rows,
+    and attention cost is not linear in tokens, so a short row would flatter a quadratic path."""
+    idx = list(range(warmup, len(times.step_ms))) or list(range(len(times.step_ms)))
+    if times.tokens:
+        full = max(times.tokens[i] for i in idx) * 0.9
+        idx = [i for i in idx if times.tokens[i] >= full] or idx
+    pick = lambda xs: [xs[i] for i in idx if i < len(xs)]  # noqa: E731
+    steps, fwd, bwd, toks = pick(times.step_ms), pick(times.fwd_ms), pick(times.bwd_ms), pick(times.tokens)
     step = statistics.median(steps)
     row = {
         "path": name,
         "step_ms": step,
+        "step_ms_min": min(steps),
+        "step_ms_max": max(steps),
         "fwd_ms": statistics.median(fwd) if fwd else float("nan"),
         "bwd_ms": statistics.median(bwd) if bwd else float("nan"),
         "tokens_per_step": statistics.median(toks) if toks else 0,
-        "tok_per_s": (statistics.median(toks) / step * 1000) if toks else 0.0,
+        "tok_per_s": (sum(toks) / sum(steps) * 1000) if toks else 0.0,
         "peak_gib": peak_bytes / 2**30,
         "loss_first": times.losses[0] if times.losses else float("nan"),
         "loss_mean": statistics.fmean(times.losses) if times.losses else float("nan"),
@@ -112,6 +142,7 @@ def summarize(name: str, times: StepTimes, warmup: int, peak_bytes: int, extra: 
         "first_step_s": times.first_step_s,
         "steps_timed": len(steps),
         "step_ms_all": times.step_ms,
+        "tokens_all": times.tokens,
     }
     row.update(extra or {})
     return row
@@ -119,7 +150,7 @@ def summarize(name: str, times: StepTimes, warmup: int, peak_bytes: int, extra: 
 
 def markdown_table(rows: list[dict], baseline: str | None = None) -> str:
     base = next((r for r in rows if r["path"] == baseline), None)
-    head = "| path | step ms | fwd ms | bwd ms | tok/s | speedup | peak GiB | loss (first, mean) | first step s |"
+    head = "| path | step ms (min-max) | fwd ms | bwd ms | tok/s | speedup | peak GiB | loss (first, mean) | first step s |"
     lines = [head, "|" + "---|" * 9]
     for r in rows:
         if r.get("error"):
@@ -127,7 +158,7 @@ def markdown_table(rows: list[dict], baseline: str | None = None) -> str:
             continue
         ratio = f"{base['step_ms'] / r['step_ms']:.2f}x" if base and not base.get("error") else "-"
         lines.append(
-            f"| {r['path']} | {r['step_ms']:,.0f} | {r['fwd_ms']:,.0f} | {r['bwd_ms']:,.0f} | {r['tok_per_s']:,.0f} | "
+            f"| {r['path']} | {r['step_ms']:,.0f} ({r['step_ms_min']:,.0f}-{r['step_ms_max']:,.0f}) | {r['fwd_ms']:,.0f} | {r['bwd_ms']:,.0f} | {r['tok_per_s']:,.0f} | "
             f"{ratio} | {r['peak_gib']:.1f} | {r['loss_first']:.4f}, {r['loss_mean']:.4f} | "
             f"{(r['first_step_s'] or 0):.1f} |"
         )

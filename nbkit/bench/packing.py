@@ -20,7 +20,18 @@ import traceback
 
 import torch
 
-from .common import StepTimer, TimedStepMixin, environment, markdown_table, packed_token_dataset, summarize, write_results
+from nbkit.demo.tokenizer import load_demo_tokenizer
+
+from .common import (
+    StepTimer,
+    TimedStepMixin,
+    environment,
+    markdown_table,
+    packed_token_dataset,
+    peak_memory,
+    summarize,
+    write_results,
+)
 
 QWEN3_1_7B = dict(
     vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
@@ -30,16 +41,22 @@ QWEN3_1_7B = dict(
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def build_model(attn: str, layers: int | None, seed: int = 0):
+TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+
+
+def build_model(attn: str, layers: int | None, tiny: bool = False, seed: int = 0):
+    """Random weights, built directly on the GPU in bf16 (CPU fp32 for --tiny smoke runs)."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    shape = dict(QWEN3_1_7B)
+    shape = dict(TINY if tiny else QWEN3_1_7B)
     if layers:
         shape["num_hidden_layers"] = layers
     config = Qwen3Config(**shape, attn_implementation=attn)
     torch.manual_seed(seed)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    device, dtype = ("cpu", torch.float32) if tiny else ("cuda", torch.bfloat16)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model
 
 
@@ -50,10 +67,10 @@ def run_path(path: str, dataset, args) -> dict:
     from nbkit import FastSFT, FastSFTConfig
 
     attn = {"sdpa": "sdpa", "flex": "flex_attention"}.get(path, "sdpa")
-    model = build_model(attn, args.layers)
+    model = build_model(attn, args.layers, args.tiny)
     common = dict(
         output_dir=f"/tmp/nbkit-bench-{path}", max_steps=args.warmup + args.steps, per_device_train_batch_size=1,
-        packing=True, max_length=args.tokens, bf16=True, gradient_checkpointing=True, learning_rate=1e-4,
+        packing=True, max_length=args.tokens, bf16=not args.tiny, use_cpu=args.tiny, gradient_checkpointing=True, learning_rate=1e-4,
         logging_steps=1, report_to=[], save_strategy="no", dataloader_num_workers=0, seed=0, disable_tqdm=True,
     )
     peft_config = LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, lora_dropout=0.0)
@@ -61,19 +78,24 @@ def run_path(path: str, dataset, args) -> dict:
     if path.startswith("nbkit"):
         kernel = path.split("_", 1)[1] if "_" in path else "auto"
         trainer_cls = type("TimedFastSFT", (TimedStepMixin, FastSFT), {})
-        config = FastSFTConfig(**common, attention_kernel=kernel, offload_checkpointing=False, live_dashboard=False)
+        # packing alone: the other speedups are off so the ratio is this speedup's own
+        config = FastSFTConfig(**common, attention_kernel=kernel, offload_checkpointing=False, fast_moe_routing=False,
+                               live_dashboard=False)
     else:
         trainer_cls = type("TimedSFT", (TimedStepMixin, SFTTrainer), {})
         config = SFTConfig(**common)
-    trainer = trainer_cls(model=model, args=config, train_dataset=dataset, peft_config=peft_config, callbacks=[timer])
+    trainer = trainer_cls(model=model, args=config, train_dataset=dataset, peft_config=peft_config, callbacks=[timer],
+                          processing_class=load_demo_tokenizer())  # only its pad/eos ids are used: data is token ids
     trainer.step_timer = timer
-    torch.cuda.reset_peak_memory_stats()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     trainer.train()
-    peak = torch.cuda.max_memory_allocated()
+    peak = peak_memory()
     extra = {"speedups": getattr(trainer, "nbkit_attached", [])}
     del trainer, model
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return summarize(path, timer.times, args.warmup, peak, extra)
 
 
@@ -84,11 +106,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--layers", type=int, default=None, help="shrink the model (default: the full 28 layers)")
     parser.add_argument("--paths", default="sdpa,nbkit,nbkit_sdpa_loop,flex")
+    parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU: checks the script runs")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a CUDA GPU")
-    n_docs = (args.warmup + args.steps + 2) * args.tokens // 400 + 8
-    dataset = packed_token_dataset(n_docs, QWEN3_1_7B["vocab_size"])
+    if not (torch.cuda.is_available() or args.tiny):
+        raise SystemExit("this benchmark needs a CUDA GPU (or --tiny for a CPU smoke run)")
+    mean_len = 400 if not args.tiny else 40
+    n_docs = 2 * (args.warmup + args.steps + 2) * args.tokens // mean_len
+    dataset = packed_token_dataset(n_docs, (TINY if args.tiny else QWEN3_1_7B)["vocab_size"], mean_len=mean_len,
+                                   spread=mean_len // 4)
     rows = []
     for path in args.paths.split(","):
         try:
@@ -97,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()
             rows.append({"path": path, "error": f"{type(exc).__name__}: {exc}"})
             gc.collect()
-            torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         print(rows[-1], flush=True)
     env = environment()
     write_results("bench_packing", {"env": env, "args": vars(args), "rows": rows})
