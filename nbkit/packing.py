@@ -158,7 +158,8 @@ def _doc_attention(q, k, v, call: AttnCall, training: bool) -> torch.Tensor:
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=call.scaling, dropout_p=call.dropout if training else 0.0
         )
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * call.scaling
+    q, k = q.float(), k.float()  # this path exists for exactness: scores and softmax in fp32
+    scores = torch.matmul(q, k.transpose(-1, -2)) * call.scaling
     if call.softcap is not None:
         scores = torch.tanh(scores / call.softcap) * call.softcap
     i = torch.arange(n, device=q.device)
@@ -173,7 +174,7 @@ def _doc_attention(q, k, v, call: AttnCall, training: bool) -> torch.Tensor:
         probs = torch.softmax(scores, dim=-1)
     if training and call.dropout > 0:
         probs = F.dropout(probs, p=call.dropout)
-    return torch.matmul(probs.to(v.dtype), v)
+    return torch.matmul(probs, v.float()).to(v.dtype)
 
 
 def _sdpa_loop_kernel(q, k, v, run: "PackedRun", call: AttnCall) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """GPU tests for nbkit.moe (bf16 on CUDA): parity, no host sync in the grouped path, empty experts.
 
 Tolerance: for every output and gradient, the relative error ``||a - ref|| / ||ref||`` against an fp32 reference
-(the eager experts on fp32 copies of the same weights) is below 2e-2, and no more than 1.5x (+2e-3) the error of
+(the eager experts on fp32 copies of the same weights) is below 5e-2, and no more than 1.5x (+2e-3) the error of
 transformers' own bf16 experts path on the same inputs.
 """
 
@@ -76,7 +76,7 @@ def _rel(a, b):
 def _check(got, ref, baseline, what):
     for i, (g, r, b) in enumerate(zip(got, ref, baseline)):
         err, base_err = _rel(g, r), _rel(b, r)
-        assert err < 2e-2 and err <= 1.5 * base_err + 2e-3, f"{what}[{i}]: nbkit {err:.2e}, transformers {base_err:.2e}"
+        assert err < 5e-2 and err <= 1.5 * base_err + 2e-3, f"{what}[{i}]: nbkit {err:.2e}, transformers {base_err:.2e}"
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])

@@ -1,11 +1,14 @@
 """Cached packing on a CUDA GPU: bf16 parity with a fp32 per-document reference, and no host sync in the forward.
 
-Parity is with the plain path (the same bf16 model, each document alone on sdpa). Tolerances (bf16 operands):
-logits relative error (||out - ref|| / ||ref||) below 1e-2, LoRA gradients below 3e-2; the kernels alone against
-an fp32 dense block-diagonal-mask truth below 1e-2.
+Parity is with the plain path (the same bf16 model, each document alone on sdpa). Tolerances (bf16 operands,
+relative error ||out - ref|| / ||ref||): packed logits no further from the fp32 truth (the same weights in fp32)
+than 1.5x the plain path's distance + 2e-3, and within 2e-2 of the plain path; LoRA gradients within 3e-2 of the
+plain path; the kernels alone within 1e-2 of an fp32 dense block-diagonal-mask truth.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -68,7 +71,7 @@ def test_bf16_kernel_matches_fp32_dense_block_diagonal_mask(kernel_name, window,
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma3", "gemma2"])
 def test_bf16_packed_logits_match_the_plain_path(kernel, family):
     """Parity with what a plain transformers user gets: the same bf16 model, each document run alone on sdpa
-    (eager for gemma2, whose soft-capping sdpa lacks). The fp32 distance of both is printed for the record."""
+    (eager for gemma2, whose soft-capping sdpa lacks)."""
     from nbkit.packing import PackedAttention, metadata_from_lengths
 
     if kernel == "varlen" and family == "gemma2":
@@ -77,8 +80,11 @@ def test_bf16_packed_logits_match_the_plain_path(kernel, family):
     docs = _docs(lens)
     plain_attn = "eager" if family == "gemma2" else "sdpa"
     model = _model(family, torch.bfloat16, attn=plain_attn)
+    truth_model = copy.deepcopy(model).float()  # the same weights in fp32: the truth both bf16 paths approximate
+    truth_model.set_attn_implementation("eager")
     with torch.no_grad():
         plain = torch.cat([model(input_ids=d[None].cuda()).logits[0] for d in docs])
+        truth = torch.cat([truth_model(input_ids=d[None].cuda()).logits[0] for d in docs])
     speedup = PackedAttention(kernel=kernel)
     assert speedup.attach(model)
     meta = metadata_from_lengths(lens)
@@ -86,8 +92,10 @@ def test_bf16_packed_logits_match_the_plain_path(kernel, family):
     with torch.no_grad():
         out = model(input_ids=torch.cat(docs)[None].cuda(), **meta).logits[0]
     speedup.detach()
-    print(family, speedup.kernel, "rel to plain bf16:", _rel(out, plain))
-    assert _rel(out, plain) < 1e-2, (speedup.kernel, _rel(out, plain))
+    ours, theirs = _rel(out, truth), _rel(plain, truth)
+    print(family, speedup.kernel, f"vs fp32 truth: nbkit {ours:.2e}, plain {theirs:.2e}; nbkit vs plain {_rel(out, plain):.2e}")
+    assert ours <= 1.5 * theirs + 2e-3, (speedup.kernel, ours, theirs)
+    assert _rel(out, plain) < 2e-2
 
 
 def test_forward_makes_no_host_sync_and_grads_match():
