@@ -60,8 +60,39 @@ class FastSFTConfig(SFTConfig):
         metadata={"help": "Attach nbkit.LiveDashboard: 'auto' inside a notebook, True always, False never."},
     )
 
+    # -- reliability (nbkit.guards, nbkit.resilience): these change what happens when something goes wrong, never
+    # the numbers of a run that goes right.
+    validate_inputs: bool = field(
+        default=True,
+        metadata={
+            "help": "Check datasets and settings before training (empty dataset, missing or non-string fields, chats "
+            "without an assistant turn, no chat template, max_length below every document, incompatible switches) "
+            "and fail with an error naming the row or the setting. False skips the checks (TRL's own errors remain)."
+        },
+    )
+    on_nonfinite_loss: str = field(
+        default="stop",
+        metadata={
+            "help": "What a NaN/inf training loss does, detected at the micro-batch it appears in, with the batch's "
+            "dataset rows in the message. 'stop': raise NonFiniteLossError before its backward, so the weights and "
+            "checkpoints stay those of the last good step. 'skip': warn and skip that optimizer step (no weight or "
+            "optimizer-state update; under fp16 the GradScaler skips it). 'off': TRL's behaviour (no check)."
+        },
+    )
+    atomic_saves: bool = field(
+        default=True,
+        metadata={
+            "help": "Write checkpoints and save_model() output to a hidden staging folder beside the target and "
+            "rename it into place when complete, so a kill mid-save never leaves a broken latest checkpoint; "
+            "resume_from_checkpoint=True then picks the newest complete one. Off for multi-process runs and "
+            "push_to_hub (transformers' own saving)."
+        },
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.on_nonfinite_loss not in ("stop", "skip", "off"):
+            raise ValueError(f"on_nonfinite_loss={self.on_nonfinite_loss!r}: use 'stop', 'skip' or 'off'")
         allowed = {"auto", "flash_attn", "varlen", "flex", "sdpa_loop"}
         if self.attention_kernel not in allowed:
             raise ValueError(f"attention_kernel={self.attention_kernel!r}: choose one of {sorted(allowed)}")
