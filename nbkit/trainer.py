@@ -391,11 +391,13 @@ class FastSFT(SFTTrainer):
             super().save_model(str(staging), _internal_call)
 
     def _nbkit_prepare_resume(self, resume: str | bool | None) -> str | bool | None:
-        """Tidy what a kill left in output_dir; turn ``True`` into the newest complete checkpoint."""
+        """Tidy what a kill left in output_dir; turn ``True`` into the newest complete checkpoint. Without atomic
+        saves (switched off, several processes, DeepSpeed/FSDP layouts) transformers' own choice stands."""
         output_dir = self.args.output_dir
-        if output_dir and self._nbkit_atomic():
-            for done in resilience.recover_interrupted(output_dir):
-                logger.warning("nbkit: %s in %s", done, output_dir)
+        if not output_dir or not self._nbkit_atomic():
+            return resume
+        for done in resilience.recover_interrupted(output_dir):
+            logger.warning("nbkit: %s in %s", done, output_dir)
         if resume is not True:
             return resume
         skipped: list[tuple[str, str]] = []

@@ -1,0 +1,369 @@
+"""Checks of datasets and settings before training starts, each failing with an ``InputError`` that names the row
+or the setting and says what to do.
+
+Why: TRL prepares datasets inside ``Dataset.map``; a bad row there fails with a stack trace from the tokenizer or
+the chat template (or, worse, not at all: a ``None`` message content renders as the text "None", a chat without an
+assistant turn trains on nothing, ``completion_only_loss=True`` on plain text trains on everything). These checks run
+first, on the raw rows, with messages a notebook user can act on.
+
+Contract: ``validate_training_inputs`` (called by ``FastSFT`` before ``SFTTrainer.__init__``; off with
+``validate_inputs=False``) raises ``InputError`` (a ``ValueError``) on
+
+- an empty dataset; a dataset without the columns of a format TRL reads (``text`` / ``dataset_text_field``,
+  ``messages``, ``prompt`` + ``completion``, ``input_ids``);
+- a row whose field is missing or not a string (or, for chats, not a list of ``{"role", "content"}`` messages with
+  string content), naming the row index and the field;
+- a chat without an assistant turn under ``assistant_only_loss=True``, or a conversational completion without one
+  when training on completions;
+- conversational data and a tokenizer without a chat template;
+- ``max_length`` shorter than the shortest document (every document would be cut), checked on up to
+  ``LENGTH_SAMPLE`` rows and stopping at the first document that fits, so a sound setting costs one tokenization;
+- switch combinations that cannot work together (packing with a custom collator, ``completion_only_loss=True``
+  without prompt/completion data, an attention kernel or offloading that could never be used).
+
+Every row of a ``Dataset`` is checked for structure (column-wise, in slices); an ``IterableDataset`` is checked on
+its first ``ITERABLE_ROWS`` rows (it cannot be read twice for free).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+ITERABLE_ROWS = 1000
+LENGTH_SAMPLE = 2000
+_SLICE = 1024
+_ASSISTANT_ROLES = {"assistant", "gpt", "model"}  # "gpt": ShareGPT data (TRL converts it), "model": Gemma style
+
+
+class InputError(ValueError):
+    """A dataset or setting that cannot train as intended; the message names the row or the setting."""
+
+
+@dataclass(frozen=True)
+class DataFormat:
+    """What TRL will read from a dataset, decided from its columns and first row the way TRL decides it."""
+
+    kind: str  # "text" | "prompt_completion" | "messages" | "tokenized" | "formatted"
+    conversational: bool
+    fields: tuple[str, ...]  # the columns that hold the data
+
+    @property
+    def label(self) -> str:
+        chat = "conversational " if self.conversational and self.kind != "messages" else ""
+        return {"text": "language-modeling (text)", "prompt_completion": f"{chat}prompt-completion",
+                "messages": "conversational (messages)", "tokenized": "pre-tokenized (input_ids)",
+                "formatted": "formatting_func"}[self.kind]
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "missing (None)"
+    text = repr(value)
+    return f"a {type(value).__name__} ({text[:40]}{'...' if len(text) > 40 else ''})"
+
+
+def _arg(args: Any, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default) if args is not None else default
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reading rows
+# --------------------------------------------------------------------------------------------------------------------
+def _is_map_style(dataset: Any) -> bool:
+    from datasets import Dataset
+
+    return isinstance(dataset, Dataset)
+
+
+def _columns(dataset: Any) -> list[str]:
+    names = getattr(dataset, "column_names", None)
+    if names is None:  # an IterableDataset of unknown features: read one row
+        first = next(iter(dataset), None)
+        names = list(first) if isinstance(first, dict) else []
+    return list(names)
+
+
+def _rows(dataset: Any, columns: list[str], limit: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(index, row) pairs with only ``columns``; map-style datasets are read in column slices (fast), iterable ones
+    row by row up to ``limit``."""
+    if _is_map_style(dataset):
+        view = dataset.select_columns(columns).with_format(None)
+        n = len(view) if limit is None else min(limit, len(view))
+        for start in range(0, n, _SLICE):
+            chunk = view[start : min(n, start + _SLICE)]
+            for j in range(len(chunk[columns[0]])):
+                yield start + j, {c: chunk[c][j] for c in columns}
+    else:
+        for i, row in enumerate(dataset):
+            if limit is not None and i >= limit:
+                break
+            yield i, {c: row.get(c) for c in columns}
+
+
+def _first_row(name: str, dataset: Any) -> dict[str, Any]:
+    if dataset is None:
+        raise InputError(f"{name} is None: pass a datasets.Dataset (or IterableDataset) of training examples")
+    if _is_map_style(dataset):
+        if len(dataset) == 0:
+            raise InputError(f"{name} is empty (0 rows): there is nothing to train on. Check the split and any "
+                             "filter applied before it")
+        return dataset.with_format(None)[0]
+    try:
+        return next(iter(dataset))
+    except StopIteration:
+        raise InputError(f"{name} is empty (it yields no rows): check the source and any filter") from None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Format
+# --------------------------------------------------------------------------------------------------------------------
+def _is_chat(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict) and ("role" in value[0]
+                                                                                       or "from" in value[0])
+
+
+def detect_format(name: str, dataset: Any, args: Any = None, formatting_func: Callable | None = None) -> DataFormat:
+    """The format TRL will read ``dataset`` as; ``InputError`` when it has none of the expected columns."""
+    first = _first_row(name, dataset)
+    columns = _columns(dataset) or list(first)
+    text_field = _arg(args, "dataset_text_field", "text") or "text"
+    if "input_ids" in columns:
+        return DataFormat("tokenized", False, ("input_ids",))
+    if formatting_func is not None:
+        return DataFormat("formatted", False, tuple(columns))
+    if "prompt" in columns or "completion" in columns:
+        if not ("prompt" in columns and "completion" in columns):
+            missing = "completion" if "prompt" in columns else "prompt"
+            raise InputError(f"{name} has a '{'prompt' if missing == 'completion' else 'completion'}' column but no "
+                             f"'{missing}' column: prompt-completion data needs both (columns: {columns})")
+        chat = _is_chat(first["prompt"]) or _is_chat(first["completion"])
+        return DataFormat("prompt_completion", chat, ("prompt", "completion"))
+    if "messages" in columns:
+        return DataFormat("messages", True, ("messages",))
+    if "conversations" in columns:  # ShareGPT: TRL converts {"from", "value"} to {"role", "content"}
+        return DataFormat("messages", True, ("conversations",))
+    if text_field in columns:
+        return DataFormat("text", False, (text_field,))
+    raise InputError(
+        f"{name} has columns {columns}, none of which TRL reads. Expected one of: '{text_field}' (plain text; "
+        "or set dataset_text_field), 'messages' (chats), 'prompt' + 'completion', or 'input_ids' (pre-tokenized); "
+        "or pass formatting_func to build the text from your columns"
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Rows
+# --------------------------------------------------------------------------------------------------------------------
+def _message_problem(message: Any) -> str | None:
+    if not isinstance(message, dict):
+        return f"is {_describe(message)}, not a {{'role', 'content'}} dict"
+    role = message.get("role", message.get("from"))
+    if not isinstance(role, str) or not role:
+        return f"has role {_describe(role)}"
+    content = message.get("content", message.get("value"))
+    if isinstance(content, str):
+        return None
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+        return None  # structured content parts ({"type": "text", "text": ...}); the chat template renders them
+    if content is None and message.get("tool_calls"):
+        return None  # an assistant turn that only calls tools
+    return f"({role}) has content {_describe(content)}; expected a string"
+
+
+def _chat_problem(chat: Any, *, needs_assistant: bool) -> str | None:
+    if not isinstance(chat, list) or not chat:
+        what = "an empty list" if isinstance(chat, list) else _describe(chat)
+        return f"is {what}; expected a non-empty list of messages"
+    for j, message in enumerate(chat):
+        problem = _message_problem(message)
+        if problem:
+            return f"message {j} {problem}"
+    if needs_assistant:
+        roles = [m.get("role", m.get("from")) for m in chat]
+        if not any(r in _ASSISTANT_ROLES for r in roles):
+            return f"has no assistant turn (roles: {roles}), so there is nothing to train on"
+    return None
+
+
+def check_rows(name: str, dataset: Any, fmt: DataFormat, args: Any = None,
+               formatting_func: Callable | None = None) -> None:
+    """Structure and types of every row (the first ``ITERABLE_ROWS`` of an IterableDataset)."""
+    limit = None if _is_map_style(dataset) else ITERABLE_ROWS
+    assistant_only = bool(_arg(args, "assistant_only_loss", False))
+    completion_only = _arg(args, "completion_only_loss", None) is not False
+    if fmt.kind == "formatted":
+        for i, row in _rows(dataset, list(fmt.fields), limit=16):
+            out = formatting_func(row)
+            if not isinstance(out, str):
+                raise InputError(f"formatting_func returned {_describe(out)} for {name} row {i}; it must return "
+                                 "one string per row")
+        return
+    for i, row in _rows(dataset, list(fmt.fields), limit=limit):
+        where = f"{name} row {i}"
+        if fmt.kind == "tokenized":
+            ids = row["input_ids"]
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+                what = _describe(ids) if not isinstance(ids, list) else "not a non-empty list of ints"
+                raise InputError(f"{where}: 'input_ids' is {what}")
+        elif fmt.kind == "text":
+            value = row[fmt.fields[0]]
+            if not isinstance(value, str):
+                raise InputError(f"{where}: '{fmt.fields[0]}' is {_describe(value)}; expected a string")
+        elif fmt.kind == "messages":
+            problem = _chat_problem(row[fmt.fields[0]], needs_assistant=assistant_only)
+            if problem:
+                hint = " (assistant_only_loss=True trains on assistant turns only)" if "assistant" in problem else ""
+                raise InputError(f"{where}: '{fmt.fields[0]}' {problem}{hint}")
+        else:  # prompt_completion
+            for key in ("prompt", "completion"):
+                value = row[key]
+                if fmt.conversational:
+                    needs = key == "completion" and (completion_only or assistant_only)
+                    problem = _chat_problem(value, needs_assistant=needs)
+                    if problem:
+                        hint = " (training on completions needs one)" if "assistant" in problem else ""
+                        raise InputError(f"{where}: '{key}' {problem}{hint}")
+                elif not isinstance(value, str):
+                    raise InputError(f"{where}: '{key}' is {_describe(value)}; expected a string")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tokenizer and lengths
+# --------------------------------------------------------------------------------------------------------------------
+def check_chat_template(name: str, fmt: DataFormat, processing_class: Any, args: Any = None) -> None:
+    if not fmt.conversational or processing_class is None or _arg(args, "chat_template_path") is not None:
+        return
+    if getattr(processing_class, "chat_template", None) is None:
+        raise InputError(
+            f"{name} is {fmt.label} but the tokenizer ({type(processing_class).__name__}) has no chat template, so "
+            "the messages cannot be rendered. Load the tokenizer of an instruct/chat model, set "
+            "tokenizer.chat_template, or pass chat_template_path= in the config"
+        )
+
+
+def _length(row: dict[str, Any], fmt: DataFormat, tokenizer: Any) -> int:
+    eos = getattr(tokenizer, "eos_token", None) or ""
+    if fmt.kind == "tokenized":
+        return len(row["input_ids"])
+    if fmt.kind == "text":
+        text = row[fmt.fields[0]]
+        return len(tokenizer(text=text if text.endswith(eos) else text + eos)["input_ids"])
+    if fmt.kind == "messages":
+        return len(tokenizer.apply_chat_template(row[fmt.fields[0]], tokenize=True, return_dict=True)["input_ids"])
+    if fmt.conversational:
+        chat = list(row["prompt"]) + list(row["completion"])
+        return len(tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"])
+    text = row["prompt"] + row["completion"]
+    return len(tokenizer(text=text if text.endswith(eos) else text + eos)["input_ids"])
+
+
+def _sample_indices(n: int, k: int) -> list[int]:
+    if n <= k:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})  # evenly spread, first and last included
+
+
+def check_max_length(name: str, dataset: Any, fmt: DataFormat, args: Any, tokenizer: Any) -> None:
+    """``max_length`` must not be shorter than every document (they would all be cut)."""
+    max_length = _arg(args, "max_length")
+    if max_length is None or tokenizer is None or fmt.kind == "formatted":
+        return
+    if _arg(args, "packing", False) and _arg(args, "packing_strategy", "bfd") in ("bfd_split", "bfd-requeue", "wrapped"):
+        return  # these strategies split long documents instead of cutting them
+    if _is_map_style(dataset):
+        picks = _sample_indices(len(dataset), LENGTH_SAMPLE)
+        view = dataset.select_columns(list(fmt.fields)).with_format(None)
+        rows = ((i, view[i]) for i in picks)
+        checked = f"{len(picks)} of {len(dataset)} rows checked"
+    else:
+        rows = _rows(dataset, list(fmt.fields), limit=LENGTH_SAMPLE)
+        checked = f"the first {LENGTH_SAMPLE} rows checked"
+    shortest: tuple[int, int] | None = None
+    for i, row in rows:
+        try:
+            n = _length(row, fmt, tokenizer)
+        except Exception:  # tokenization problems surface in TRL's preparation with its own message
+            return
+        if n <= max_length:
+            return
+        if shortest is None or n < shortest[1]:
+            shortest = (i, n)
+    if shortest is None:
+        return
+    split = " or, with packing=True, packing_strategy='bfd_split' to split long documents instead of cutting them;"
+    raise InputError(
+        f"max_length={max_length} is shorter than every document of {name} (the shortest, row {shortest[0]}, has "
+        f"{shortest[1]} tokens; {checked}): every document would be cut to its first {max_length} tokens"
+        f"{' and its completion or assistant turn may be cut away' if fmt.kind != 'text' else ''}. Raise max_length;"
+        f"{split} validate_inputs=False skips this check"
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Settings
+# --------------------------------------------------------------------------------------------------------------------
+def check_settings(args: Any, *, custom_collator: bool, fmt: DataFormat | None = None) -> None:
+    """Switch combinations that cannot work together."""
+    if args is None:
+        return
+    packing, strategy = _arg(args, "packing", False), _arg(args, "packing_strategy", "bfd")
+    padding_free = _arg(args, "padding_free", False) or (packing and strategy in ("bfd", "bfd_split", "bfd-requeue"))
+    if custom_collator and padding_free:
+        setting = f"packing=True (packing_strategy={strategy!r})" if packing else "padding_free=True"
+        raise InputError(
+            f"{setting} cannot be combined with a custom data_collator: packed, padding-free batches need TRL's "
+            "collator to keep each document's boundaries (position ids, cu_seqlens), which yours cannot know. Drop "
+            "data_collator, or set packing=False and padding_free=False"
+        )
+    if _arg(args, "completion_only_loss") is True and fmt is not None and fmt.kind in ("text", "messages"):
+        better = "assistant_only_loss=True" if fmt.kind == "messages" else "a prompt-completion dataset"
+        raise InputError(
+            f"completion_only_loss=True but the dataset is {fmt.label}, which has no completion to restrict the loss "
+            f"to: TRL would silently train on every token. Use {better}, or leave completion_only_loss unset"
+        )
+    chat_needed = fmt is not None and not fmt.conversational and fmt.kind not in ("tokenized", "formatted")
+    if _arg(args, "assistant_only_loss", False) and chat_needed:
+        raise InputError(f"assistant_only_loss=True needs conversational data ('messages'), but the dataset is "
+                         f"{fmt.label}. Use completion_only_loss for prompt-completion data")
+    kernel = _arg(args, "attention_kernel", "auto")
+    if kernel != "auto" and _arg(args, "cached_packing", True) is False:
+        raise InputError(f"attention_kernel={kernel!r} has no effect with cached_packing=False (the kernel belongs "
+                         "to nbkit's packed attention): set cached_packing=True, or leave attention_kernel='auto'")
+    if _arg(args, "offload_checkpointing", "auto") is True and not _arg(args, "gradient_checkpointing", False):
+        raise InputError("offload_checkpointing=True needs gradient_checkpointing=True (it offloads the inputs that "
+                         "checkpointing keeps): turn gradient checkpointing on, or offloading off")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------------------------------
+def validate_training_inputs(
+    args: Any,
+    train_dataset: Any,
+    eval_dataset: Any = None,
+    processing_class: Any = None,
+    data_collator: Any = None,
+    formatting_func: Callable | None = None,
+) -> DataFormat:
+    """Every check above, on the training dataset and each evaluation dataset; returns the training data's format."""
+    skip_prepare = bool((_arg(args, "dataset_kwargs") or {}).get("skip_prepare_dataset", False))
+    datasets: list[tuple[str, Any]] = [("train_dataset", train_dataset)]
+    if isinstance(eval_dataset, dict):
+        datasets += [(f"eval_dataset[{key!r}]", value) for key, value in eval_dataset.items()]
+    elif eval_dataset is not None:
+        datasets.append(("eval_dataset", eval_dataset))
+    train_format: DataFormat | None = None
+    for name, dataset in datasets:
+        fmt = detect_format(name, dataset, args, formatting_func)
+        if skip_prepare and fmt.kind != "tokenized":
+            raise InputError(f"dataset_kwargs={{'skip_prepare_dataset': True}} needs a tokenized {name} "
+                             f"('input_ids' column); it is {fmt.label}")
+        if train_format is None:
+            train_format = fmt
+            check_settings(args, custom_collator=data_collator is not None, fmt=fmt)
+        check_rows(name, dataset, fmt, args, formatting_func)
+        check_chat_template(name, fmt, processing_class, args)
+        if not skip_prepare:
+            check_max_length(name, dataset, fmt, args, processing_class)
+    return train_format

@@ -1,0 +1,218 @@
+"""Bad datasets and settings fail before training with an error that names the row or the setting (nbkit.guards).
+
+Each case builds the smallest dataset that shows the problem and checks the message names what to fix; valid data
+of every format passes; ``FastSFT`` runs the checks before TRL prepares anything, and ``validate_inputs=False``
+turns them off.
+"""
+
+from __future__ import annotations
+
+import pytest
+from datasets import Dataset, IterableDataset
+from trl import SFTConfig
+
+from nbkit import FastSFT, FastSFTConfig
+from nbkit.demo.data import make_dataset
+from nbkit.guards import InputError, detect_format, validate_training_inputs
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from nbkit.demo.tokenizer import load_demo_tokenizer
+
+    return load_demo_tokenizer()
+
+
+def cfg(**kw) -> FastSFTConfig:
+    base = dict(output_dir="unused", bf16=False, use_cpu=True, report_to=[], max_length=128, live_dashboard=False)
+    return FastSFTConfig(**{**base, **kw})
+
+
+def chat(*turns: tuple[str, object]) -> list[dict]:
+    return [{"role": role, "content": content} for role, content in turns]
+
+
+def check(dataset, tokenizer, args=None, **kw):
+    return validate_training_inputs(args or cfg(), dataset, processing_class=tokenizer, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# valid data passes
+
+
+@pytest.mark.parametrize("fmt,kind", [("text", "text"), ("prompt", "prompt_completion"), ("messages", "messages")])
+def test_valid_demo_data_passes(tokenizer, fmt, kind):
+    args = cfg(assistant_only_loss=fmt == "messages", packing=True)
+    assert check(make_dataset(fmt, n=64), tokenizer, args).kind == kind
+
+
+def test_tool_calls_and_structured_content_pass(tokenizer):
+    tools = [{"messages": [
+        {"role": "user", "content": "weather?", "tool_calls": None},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "w"}}]},
+        {"role": "assistant", "content": "sunny", "tool_calls": None},
+    ]}]
+    validate_training_inputs(cfg(max_length=None), Dataset.from_list(tools), processing_class=tokenizer)
+    parts = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                           {"role": "assistant", "content": [{"type": "text", "text": "yo"}]}]}]
+    validate_training_inputs(cfg(max_length=None), Dataset.from_list(parts), processing_class=tokenizer)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# datasets
+
+
+def test_empty_dataset(tokenizer):
+    with pytest.raises(InputError, match=r"train_dataset is empty \(0 rows\)"):
+        check(Dataset.from_dict({"text": []}), tokenizer)
+
+    def nothing():
+        yield from ()
+
+    with pytest.raises(InputError, match="train_dataset is empty"):
+        check(IterableDataset.from_generator(nothing), tokenizer)
+
+
+def test_no_expected_columns(tokenizer):
+    with pytest.raises(InputError, match=r"columns \['question', 'answer'\].*'text'.*'messages'.*formatting_func"):
+        check(Dataset.from_dict({"question": ["q"], "answer": ["a"]}), tokenizer)
+    with pytest.raises(InputError, match="'prompt' column but no 'completion'"):
+        check(Dataset.from_dict({"prompt": ["q"]}), tokenizer)
+    # a custom text field is honoured
+    check(Dataset.from_dict({"body": ["hello there"]}), tokenizer, cfg(dataset_text_field="body"))
+
+
+def test_missing_and_non_string_fields_name_the_row(tokenizer):
+    with pytest.raises(InputError, match=r"train_dataset row 2: 'text' is missing \(None\); expected a string"):
+        check(Dataset.from_dict({"text": ["a b", "c d", None, "e"]}), tokenizer)
+    with pytest.raises(InputError, match=r"row 0: 'text' is a int \(7\)"):
+        check(Dataset.from_dict({"text": [7, 8]}), tokenizer)
+    with pytest.raises(InputError, match=r"row 1: 'completion' is missing \(None\)"):
+        check(Dataset.from_dict({"prompt": ["a", "b"], "completion": [" x", None]}), tokenizer)
+
+
+def test_chat_content_must_be_text(tokenizer):
+    rows = [{"messages": chat(("user", "hi"), ("assistant", "hello"))} for _ in range(3)]
+    rows.append({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]})
+    with pytest.raises(InputError, match=r"row 3: 'messages' message 1 \(assistant\) has content missing \(None\)"):
+        check(Dataset.from_list(rows), tokenizer)
+    with pytest.raises(InputError, match=r"row 0: 'messages' is an empty list"):
+        check(Dataset.from_dict({"messages": [[], []]}), tokenizer)
+    numbers = [{"messages": [{"role": "user", "content": "1"}]}, {"messages": [{"role": "user", "content": 5}]}]
+    with pytest.raises(InputError, match=r"row 1: 'messages' message 0 \(user\) has content a int \(5\)"):
+        check(IterableDataset.from_generator(lambda: iter(numbers)), tokenizer)
+
+
+def test_chat_without_assistant_turn_when_training_on_completions(tokenizer):
+    rows = [{"messages": chat(("user", "q"), ("assistant", "a"))}, {"messages": chat(("system", "s"), ("user", "q"))}]
+    with pytest.raises(InputError, match=r"row 1: 'messages' has no assistant turn \(roles: \['system', 'user'\]\)"
+                                         r".*assistant_only_loss=True"):
+        check(Dataset.from_list(rows), tokenizer, cfg(assistant_only_loss=True))
+    check(Dataset.from_list(rows), tokenizer, cfg())  # trains on every token: a chat without answer is fine
+    pc = [{"prompt": chat(("user", "q")), "completion": chat(("assistant", "a"))},
+          {"prompt": chat(("user", "q")), "completion": chat(("user", "oops"))}]
+    with pytest.raises(InputError, match=r"row 1: 'completion' has no assistant turn.*training on completions"):
+        check(Dataset.from_list(pc), tokenizer)
+
+
+def test_tokenizer_without_chat_template(tokenizer):
+    bare = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    bare.chat_template = None
+    with pytest.raises(InputError, match="has no chat template.*chat_template_path"):
+        check(make_dataset("messages", n=4), bare)
+    check(make_dataset("text", n=4), bare)  # plain text needs no template
+
+
+def test_max_length_below_every_document(tokenizer):
+    data = make_dataset("messages", n=40)
+    with pytest.raises(InputError, match=r"max_length=8 is shorter than every document of train_dataset \(the "
+                                         r"shortest, row \d+, has \d+ tokens; 40 of 40 rows checked\)"):
+        check(data, tokenizer, cfg(max_length=8))
+    check(data, tokenizer, cfg(max_length=8, packing=True, packing_strategy="bfd_split"))  # split, not cut
+    rows = data.to_list()
+    rows[17] = {"messages": chat(("user", "hi"), ("assistant", "yo"))}  # one short row: the setting can be meant
+    check(Dataset.from_list(rows), tokenizer, cfg(max_length=24))
+
+
+def test_eval_dataset_is_named(tokenizer):
+    bad = Dataset.from_dict({"text": ["fine", None]})
+    with pytest.raises(InputError, match=r"eval_dataset\['val'\] row 1"):
+        check(make_dataset("text", n=4), tokenizer, eval_dataset={"val": bad})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# settings
+
+
+def test_packing_with_a_custom_collator():
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    collator = DataCollatorForLanguageModeling(pad_token_id=0)
+    with pytest.raises(InputError, match=r"packing=True \(packing_strategy='bfd'\) cannot be combined with a custom "
+                                         "data_collator"):
+        validate_training_inputs(cfg(packing=True), make_dataset("text", n=4), data_collator=collator)
+    validate_training_inputs(cfg(packing=False), make_dataset("text", n=4), data_collator=collator)
+
+
+def test_incompatible_switches(tokenizer):
+    text = make_dataset("text", n=4)
+    with pytest.raises(InputError, match="completion_only_loss=True but the dataset is language-modeling"):
+        check(text, tokenizer, cfg(completion_only_loss=True))
+    with pytest.raises(InputError, match="completion_only_loss=True.*Use assistant_only_loss=True"):
+        check(make_dataset("messages", n=4), tokenizer, cfg(completion_only_loss=True))
+    with pytest.raises(InputError, match="assistant_only_loss=True needs conversational data"):
+        check(make_dataset("prompt", n=4), tokenizer, cfg(assistant_only_loss=True))
+    with pytest.raises(InputError, match=r"attention_kernel='sdpa_loop' has no effect with cached_packing=False"):
+        check(text, tokenizer, cfg(cached_packing=False, attention_kernel="sdpa_loop"))
+    with pytest.raises(InputError, match="offload_checkpointing=True needs gradient_checkpointing=True"):
+        check(text, tokenizer, cfg(offload_checkpointing=True, gradient_checkpointing=False))
+    with pytest.raises(InputError, match="skip_prepare_dataset.*needs a tokenized train_dataset"):
+        check(text, tokenizer, cfg(dataset_kwargs={"skip_prepare_dataset": True}))
+
+
+def test_formatting_func_must_return_text(tokenizer):
+    data = Dataset.from_dict({"q": ["a", "b"], "a": ["c", "d"]})
+    assert check(data, tokenizer, formatting_func=lambda row: f"{row['q']} {row['a']}").kind == "formatted"
+    with pytest.raises(InputError, match="formatting_func returned a list.*row 0"):
+        check(data, tokenizer, formatting_func=lambda row: [row["q"]])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# wiring into FastSFT
+
+
+def test_fastsft_checks_before_trl_prepares(tokenizer, tmp_path, monkeypatch):
+    from nbkit.demo.models import tiny_model
+
+    model = tiny_model("qwen3", len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    prepared = []
+    monkeypatch.setattr(FastSFT, "_prepare_dataset", lambda self, *a, **k: prepared.append(1))
+    bad = Dataset.from_dict({"text": ["fine", None, "fine"]})
+    with pytest.raises(InputError, match="train_dataset row 1"):
+        FastSFT(model=model, args=cfg(output_dir=str(tmp_path)), train_dataset=bad, processing_class=tokenizer)
+    assert not prepared  # the error came first
+    with pytest.raises(InputError, match="row 1"):  # a plain SFTConfig gets the checks too (switch default: on)
+        FastSFT(model, SFTConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to=[]), None, bad,
+                processing_class=tokenizer)
+    with pytest.raises(InputError, match="train_dataset is empty"):
+        FastSFT(model=model, args=cfg(output_dir=str(tmp_path)), train_dataset=Dataset.from_dict({"text": []}),
+                processing_class=tokenizer)
+
+
+def test_validate_inputs_false_turns_the_checks_off(tokenizer, tmp_path, monkeypatch):
+    from nbkit.demo.models import tiny_model
+
+    model = tiny_model("qwen3", len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    bad = Dataset.from_dict({"text": ["fine", None, "fine"]})
+    with pytest.raises(Exception) as caught:  # TRL's own failure, deeper in its dataset preparation
+        FastSFT(model=model, args=cfg(output_dir=str(tmp_path), validate_inputs=False), train_dataset=bad,
+                processing_class=tokenizer)
+    assert not isinstance(caught.value, InputError)
+
+
+def test_detect_format_matches_trl_on_the_first_row():
+    assert detect_format("d", make_dataset("prompt", n=2)).conversational is False
+    conv = Dataset.from_list([{"prompt": chat(("user", "q")), "completion": chat(("assistant", "a"))}])
+    fmt = detect_format("d", conv)
+    assert fmt.kind == "prompt_completion" and fmt.conversational
+    assert detect_format("d", Dataset.from_dict({"input_ids": [[1, 2]], "text": ["x"]})).kind == "tokenized"

@@ -1,0 +1,335 @@
+"""Interrupted runs resume and end where an uninterrupted run ends; a kill during a save never leaves a broken
+latest checkpoint; checkpoints and adapters are safetensors.
+
+Scenarios (tiny Qwen3 + LoRA r=4, packed conversational demo data, 6 steps, a checkpoint every 2, CPU fp32):
+- a child process SIGKILLed between steps 5 and 6 (after checkpoint-4) -> ``train(resume_from_checkpoint=True)``;
+- a child process that SIGKILLs itself in the middle of writing checkpoint-4 (model weights written, optimizer not)
+  -> no ``checkpoint-4`` appears, the latest is checkpoint-2, and resuming from it ends like the uninterrupted run;
+- the same failure in-process with ``atomic_saves=False`` leaves the broken ``checkpoint-4`` that transformers'
+  ``get_last_checkpoint`` would resume from: what the staging prevents (so the tests above can fail);
+- ``python -m nbkit demo`` interrupted (KeyboardInterrupt, as a notebook's stop button) then ``--resume``, with an
+  ``HF_TOKEN`` in the environment that must appear in no output and no written file.
+
+Tolerance: losses and final adapter tensors equal to 1e-5 relative, 1e-7 absolute (same threads, same order of
+operations: in practice bit-identical; the margin only covers a different BLAS path after a process restart).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nbkit import FastSFT, FastSFTConfig
+from nbkit.resilience import STAGING_PREFIX, checkpoint_problem, last_complete_checkpoint
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+MAX_STEPS, SAVE_STEPS = 6, 2
+RTOL, ATOL = 1e-5, 1e-7
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: deterministic sums, and no OpenMP spinning on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def build(output_dir: str | os.PathLike, eval_dataset=None, **overrides) -> FastSFT:
+    """The run every scenario repeats (also imported by the child processes)."""
+    from peft import LoraConfig
+
+    from nbkit.demo.data import make_dataset
+    from nbkit.demo.models import tiny_model
+    from nbkit.demo.tokenizer import load_demo_tokenizer
+
+    tokenizer = load_demo_tokenizer()
+    model = tiny_model("qwen3", len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                       eos_token_id=tokenizer.eos_token_id)
+    config = dict(
+        output_dir=str(output_dir), max_steps=MAX_STEPS, per_device_train_batch_size=2, learning_rate=3e-3,
+        lr_scheduler_type="cosine", warmup_steps=1, logging_steps=1, save_strategy="steps", save_steps=SAVE_STEPS,
+        report_to=[], bf16=False, use_cpu=True, seed=0, disable_tqdm=True, max_length=64, packing=True,
+        assistant_only_loss=True, live_dashboard=False, dataloader_num_workers=0, gradient_checkpointing=False,
+    )
+    config.update(overrides)
+    return FastSFT(model=model, args=FastSFTConfig(**config), train_dataset=make_dataset("messages", n=64),
+                   eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+
+
+def losses(log_history: list[dict]) -> list[float]:
+    return [h["loss"] for h in log_history if "loss" in h]
+
+
+def final_adapter(trainer: FastSFT, folder: Path) -> dict[str, torch.Tensor]:
+    trainer.save_model(str(folder))
+    return load_file(folder / "adapter_model.safetensors")
+
+
+def assert_same_run(trainer: FastSFT, reference: dict, folder: Path) -> None:
+    got = losses(trainer.state.log_history)
+    assert len(got) == MAX_STEPS, got
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(reference["losses"]), rtol=RTOL, atol=ATOL)
+    adapter = final_adapter(trainer, folder)
+    assert adapter.keys() == reference["adapter"].keys()
+    for name, tensor in reference["adapter"].items():
+        torch.testing.assert_close(adapter[name], tensor, rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """The uninterrupted run: its per-step losses and final adapter."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    trainer = build(out)
+    trainer.train()
+    return {"losses": losses(trainer.state.log_history), "adapter": final_adapter(trainer, out / "final")}
+
+
+CHILD = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    sys.path.insert(0, {tests!r})
+    import torch
+    torch.set_num_threads(1)
+    import transformers
+    from transformers import TrainerCallback
+    from test_resume import build
+
+    mode, out, at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+    class Announce(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            print(f"STEP {{state.global_step}}", flush=True)
+            if mode == "between" and state.global_step == at:
+                time.sleep(600)  # the parent SIGKILLs us here, between two steps
+
+    if mode == "save":  # die in the middle of writing checkpoint-<at>: weights written, optimizer not yet
+        original = transformers.Trainer._save_optimizer_and_scheduler
+
+        def dying(self, output_dir):
+            if self.state.global_step == at:
+                print("DYING", sorted(os.listdir(output_dir)), flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(self, output_dir)
+
+        transformers.Trainer._save_optimizer_and_scheduler = dying
+
+    trainer = build(out)
+    trainer.add_callback(Announce())
+    trainer.train()
+    print("FINISHED", flush=True)
+    """
+)
+
+
+def run_child(tmp_path: Path, mode: str, at: int) -> list[str]:
+    """Train in a child process until it is SIGKILLed (by us in "between" mode, by itself in "save" mode)."""
+    script = tmp_path / "child.py"
+    script.write_text(CHILD.format(tests=str(TESTS)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(tmp_path / "child.err", "w") as err:
+        proc = subprocess.Popen([sys.executable, str(script), mode, str(tmp_path / "out"), str(at)], env=env,
+                                stdout=subprocess.PIPE, stderr=err, text=True, cwd=tmp_path)
+        lines = []
+        try:
+            for line in proc.stdout:
+                lines.append(line.strip())
+                if mode == "between" and line.strip() == f"STEP {at}":
+                    os.kill(proc.pid, signal.SIGKILL)
+                    break
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == -signal.SIGKILL, (lines, (tmp_path / "child.err").read_text()[-3000:])
+    assert "FINISHED" not in lines
+    return lines
+
+
+def test_killed_between_steps_resumes_to_the_same_adapter_and_losses(tmp_path, reference):
+    lines = run_child(tmp_path, "between", at=5)
+    assert lines[-1] == "STEP 5"
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-2",
+                                                                                           "checkpoint-4"]
+    trainer = build(out)
+    loads: list[dict] = []
+    original_load = torch.load
+
+    def recording_load(*args, **kwargs):
+        loads.append(kwargs)
+        return original_load(*args, **kwargs)
+
+    torch.load = recording_load
+    try:
+        trainer.train(resume_from_checkpoint=True)
+    finally:
+        torch.load = original_load
+    assert trainer.state.global_step == MAX_STEPS
+    # resumed from checkpoint-4: its optimizer, scheduler and RNG states were read, never as arbitrary pickles
+    assert loads and all(kw.get("weights_only") is True for kw in loads), loads
+    assert_same_run(trainer, reference, tmp_path / "final")
+
+
+def test_killed_during_a_save_leaves_the_previous_checkpoint_as_latest(tmp_path, reference):
+    from transformers.trainer_utils import get_last_checkpoint
+
+    lines = run_child(tmp_path, "save", at=4)
+    assert lines[-1].startswith("DYING") and "adapter_model.safetensors" in lines[-1]  # died mid-save, for real
+    out = tmp_path / "out"
+    names = sorted(p.name for p in out.iterdir())
+    assert "checkpoint-2" in names and "checkpoint-4" not in names, names
+    assert any(n.startswith(STAGING_PREFIX) for n in names), names  # the unfinished save, hidden
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")  # plain transformers agrees
+    assert checkpoint_problem(out / "checkpoint-2") is None
+    # a broken checkpoint left by some other writer is passed over as well
+    foreign = out / "checkpoint-3"
+    foreign.mkdir()
+    (foreign / "adapter_model.safetensors").write_bytes(b"")
+
+    trainer = build(out)
+    trainer.train(resume_from_checkpoint=True)
+    assert not any(p.name.startswith(STAGING_PREFIX) for p in out.iterdir())  # tidied at train start
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-2", "checkpoint-3", "checkpoint-4", "checkpoint-6"]
+    for step in (2, 4, 6):
+        assert checkpoint_problem(out / f"checkpoint-{step}") is None
+        files = {p.name for p in (out / f"checkpoint-{step}").iterdir()}
+        assert "adapter_model.safetensors" in files  # weights as safetensors, and no pickled weights
+        assert not {"adapter_model.bin", "pytorch_model.bin", "model.safetensors"} & files
+    assert_same_run(trainer, reference, tmp_path / "final")
+
+
+class _SaveFailed(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_a_failed_save_never_becomes_the_latest_checkpoint(tmp_path, monkeypatch, atomic):
+    """The in-process version of the kill above, with and without staging: the control shows the failure mode."""
+    import transformers
+    from transformers.trainer_utils import get_last_checkpoint
+
+    original = transformers.Trainer._save_optimizer_and_scheduler
+
+    def failing(self, output_dir):
+        if self.state.global_step == 4:
+            raise _SaveFailed("disk full")
+        return original(self, output_dir)
+
+    monkeypatch.setattr(transformers.Trainer, "_save_optimizer_and_scheduler", failing)
+    out = tmp_path / "out"
+    trainer = build(out, max_steps=4, atomic_saves=atomic)
+    with pytest.raises(_SaveFailed):
+        trainer.train()
+    latest = get_last_checkpoint(str(out))
+    if atomic:
+        assert latest == str(out / "checkpoint-2") and not (out / "checkpoint-4").exists()
+        assert not any(p.name.startswith(STAGING_PREFIX) for p in out.iterdir())
+    else:  # transformers' own saving: the half-written checkpoint-4 is what resume_from_checkpoint=True would load
+        assert latest == str(out / "checkpoint-4")
+        assert checkpoint_problem(out / "checkpoint-4") is not None
+        assert last_complete_checkpoint(out) == str(out / "checkpoint-2")  # nbkit's choice still avoids it
+
+
+def test_save_model_into_output_dir_keeps_checkpoints_and_writes_safetensors(tmp_path):
+    out = tmp_path / "out"
+    trainer = build(out, max_steps=2)
+    trainer.train()
+    trainer.save_model()  # into output_dir, beside checkpoint-2: files are replaced one by one, folders kept
+    names = {p.name for p in out.iterdir()}
+    assert {"checkpoint-2", "adapter_model.safetensors", "adapter_config.json"} <= names
+    assert not any(n.startswith(".nbkit-") for n in names)
+    assert not any(n.endswith((".bin", ".pt", ".pth")) and n != "training_args.bin" for n in names)
+    trainer.save_model(str(tmp_path / "adapter"))
+    trainer.save_model(str(tmp_path / "adapter"))  # overwrite: swapped whole
+    assert {p.name for p in (tmp_path / "adapter").iterdir()} >= {"adapter_model.safetensors", "adapter_config.json"}
+    assert not any(p.name.startswith(".nbkit-") for p in tmp_path.iterdir())
+
+
+def test_best_checkpoint_tracking_points_at_the_published_folders(tmp_path):
+    """Staging must not leak into transformers' best-model bookkeeping (``load_best_model_at_end``)."""
+    from nbkit.demo.data import make_dataset
+
+    out = tmp_path / "out"
+    trainer = build(out, eval_dataset=make_dataset("messages", n=8, split="eval"), max_steps=4,
+                    eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
+                    metric_for_best_model="eval_loss", save_total_limit=1)
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and Path(best).parent == out and Path(best).is_dir(), best
+    for state in out.glob("checkpoint-*/trainer_state.json"):
+        recorded = json.loads(state.read_text())["best_model_checkpoint"]
+        assert recorded is None or Path(recorded).parent == out, recorded
+    assert not any(p.name.startswith(".nbkit-") for p in out.iterdir())
+
+
+def test_resume_true_without_a_complete_checkpoint_is_a_clear_error(tmp_path):
+    out = tmp_path / "out"
+    (out / "checkpoint-2").mkdir(parents=True)  # a save that never finished
+    trainer = build(out, max_steps=1)
+    with pytest.raises(ValueError, match="no complete checkpoint.*checkpoint-2"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+SECRET = "hf_nbkitTestSecret0123456789abcdef"
+
+
+def test_demo_resume_matches_uninterrupted_and_shows_no_secret(tmp_path, monkeypatch, capfd):
+    """``python -m nbkit demo`` stopped mid-run (KeyboardInterrupt, the notebook's stop button) and rerun with
+    ``--resume`` ends like an uninterrupted demo; an HF_TOKEN in the environment is never printed or written."""
+    from nbkit.demo import run as demo
+    from nbkit.trainer import FastSFT as Trainer
+
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", SECRET)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def argv(out: Path, *extra: str) -> list[str]:
+        return ["--max-steps", "6", "--save-steps", "2", "--no-4bit", "--lora-r", "4", "--batch-size", "1",
+                "--max-length", "64", "--eval-examples", "2", "--output-dir", str(out), "--json",
+                str(out / "metrics.json"), *extra]
+
+    full = demo.main(argv(tmp_path / "full"))
+
+    original = Trainer.training_step
+
+    def interrupted(self, *args, **kwargs):
+        if self.state.global_step == 3:  # in step 4, after checkpoint-2
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "training_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        demo.main(argv(tmp_path / "cut"))
+    monkeypatch.setattr(Trainer, "training_step", original)
+    resumed = demo.main(argv(tmp_path / "cut", "--resume"))
+
+    assert resumed["resumed_from"] == str(tmp_path / "cut" / "trainer" / "checkpoint-2")
+    assert resumed["steps"] == full["steps"] == 6
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"]), rtol=RTOL, atol=ATOL)
+    a = load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "cut" / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=RTOL, atol=ATOL, msg=name)
+    assert json.loads((tmp_path / "cut" / "metrics.json").read_text())["losses"] == resumed["losses"]
+
+    out, err = capfd.readouterr()
+    assert "resuming from" in out
+    assert SECRET not in out and SECRET not in err
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), path
