@@ -1,0 +1,39 @@
+"""``python -m nbkit <command>`` and the ``nbkit`` console script.
+
+Commands: ``demo`` (``nbkit.demo.run``: train a tiny model on any machine; ``--resume`` continues an interrupted run)
+and ``setup`` (``nbkit.setup``: install nbkit into a Colab/Kaggle runtime without touching its torch). Everything
+after the command goes to it unchanged; ``python -m nbkit demo --help`` lists the demo's options.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+USAGE = """usage: python -m nbkit {demo,setup} [options]
+
+  demo    QLoRA-train a tiny model on generated data, no download (--help for options, --resume to continue)
+  setup   install nbkit into this Colab/Kaggle Python, keeping its torch (--help for options)"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "demo":
+        from nbkit.demo.run import main as demo
+
+        demo(rest)
+        return 0
+    if command == "setup":
+        from nbkit.setup import main as setup
+
+        return setup(rest)
+    print(f"nbkit: unknown command {command!r}\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
