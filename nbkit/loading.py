@@ -12,7 +12,8 @@ Decisions, and why:
   free on CPU (already fp32), but in bf16 it only costs memory (a 150K-token vocabulary's embedding and lm_head
   in fp32 is ~3 GB on a 14B model) for no accuracy that matters. In bf16 the base is frozen directly instead.
 - **LoRA on every linear projection of the blocks** (``target_modules="all-linear"``: q, k, v, o, gate, up, down
-  in a Llama-like block; PEFT leaves the output layer out, and MoE routers/fused experts are not ``nn.Linear``).
+  in a Llama-like block; PEFT leaves the output layer out). On MoE models PEFT keeps the transformers-4 meaning
+  of "all-linear": the fused experts (LoRA on the 3-D expert weights) and the router are adapted too.
   ``lora_alpha`` defaults to ``lora_r`` (scale alpha/r = 1), a common, safe default.
 - **Gradient checkpointing, non-reentrant**: the reentrant variant needs the inputs to require grad (a hook on
   the embeddings) and breaks with frozen inputs; non-reentrant needs neither. ``use_cache`` is turned off with it.
@@ -74,9 +75,15 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", ".", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
 
 
+_WHAT = {"model": "model", "weights": "the weights of model", "tokenizer": "the tokenizer of model"}
+
+
 def _not_found(name: str, what: str, error: BaseException) -> ModelNotFoundError:
     if _looks_like_path(name):
-        hint = f"{name!r} looks like a path, but there is no {what} there: check the path."
+        hint = (
+            f"It looks like a path, but no loadable {what} is there: check the path, and that the folder was "
+            "written with save_pretrained."
+        )
     elif _is_offline():
         hint = (
             "HF_HUB_OFFLINE=1 is set, so nothing is downloaded and it is not in the local Hugging Face cache. "
@@ -89,7 +96,7 @@ def _not_found(name: str, what: str, error: BaseException) -> ModelNotFoundError
             "repo id, your network, and (for gated or private models) `huggingface-cli login` / HF_TOKEN. "
             "Or pass the path of a local folder saved with save_pretrained."
         )
-    return ModelNotFoundError(f"Could not load the {what} of {name!r}. {hint} ({type(error).__name__}: {error})")
+    return ModelNotFoundError(f"Could not load {_WHAT[what]} {name!r}. {hint} ({type(error).__name__}: {error})")
 
 
 def _load_config(name: str, trust_remote_code: bool, hub_kwargs: dict[str, Any]):
@@ -216,7 +223,8 @@ def load_model(
 
     if load_in_4bit and not lora_r:
         raise ValueError("a 4-bit base cannot be trained in full: pass lora_r > 0, or load_in_4bit=False")
-    hub_kwargs = {k: from_pretrained_kwargs[k] for k in ("revision", "token", "cache_dir") if k in from_pretrained_kwargs}
+    hub_keys = ("revision", "token", "cache_dir")
+    hub_kwargs = {k: from_pretrained_kwargs[k] for k in hub_keys if k in from_pretrained_kwargs}
     config = _load_config(name_or_path, trust_remote_code, hub_kwargs)
 
     if device_map is None and torch.cuda.is_available():
@@ -251,7 +259,9 @@ def load_model(
 
     if load_in_4bit:
         keep_4bit_trainable(model)
-    tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code, max_seq_length=max_seq_length, **hub_kwargs)
+    tokenizer = load_tokenizer(
+        name_or_path, trust_remote_code=trust_remote_code, max_seq_length=max_seq_length, **hub_kwargs
+    )
     _sync_special_tokens(model, tokenizer)
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if max_seq_length is not None and limit is not None and max_seq_length > limit:
@@ -286,6 +296,8 @@ def load_model(
             lora_dropout=lora_dropout,
             target_modules=target_modules,
             modules_to_save=modules_to_save,
+            # tied embeddings stay tied when trained (modules_to_save); PEFT warns if asked on an untied model
+            ensure_weight_tying=bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False)),
             bias="none",
             task_type="CAUSAL_LM",
         )

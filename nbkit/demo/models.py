@@ -53,7 +53,12 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "gemma3": (
         "gemma3_text",
-        {"tie_word_embeddings": True, "sliding_window": SLIDING_WINDOW, "query_pre_attn_scalar": 32, "_alternate": True},
+        {
+            "tie_word_embeddings": True,
+            "sliding_window": SLIDING_WINDOW,
+            "query_pre_attn_scalar": 32,
+            "_alternate": True,
+        },
     ),
     "qwen3_moe": (
         "qwen3_moe",

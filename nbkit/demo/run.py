@@ -5,10 +5,15 @@ What it does, in order:
    shipped tokenizer, and saves both to ``<output-dir>/base`` with ``save_pretrained``;
 2. loads that folder back through ``nbkit.load_model`` -- the real loading path: NF4 4-bit base + LoRA
    (``--no-4bit``: a full-precision base);
-3. scores greedy answers on held-out prompts (exact match), trains on the conversational demo data with packing
-   and assistant-only loss through ``nbkit.FastSFT`` (``--baseline``: TRL's plain ``SFTTrainer``), scores again;
-4. prints loss first -> last, tokens/s, peak memory, the answers before and after; saves the adapter to
+3. scores greedy answers on held-out prompts (exact match) and the held-out loss on the answer tokens, trains on
+   the conversational demo data (nbkit.demo.data: reverse 3-4 words) with packing and assistant-only loss through
+   ``nbkit.FastSFT`` (``--baseline``: TRL's plain ``SFTTrainer``), scores again;
+4. prints loss first -> last, tokens/s, peak memory (CUDA: max allocated; CPU: peak RSS of the process), packing
+   efficiency (document tokens / (packed rows x max length)), the answers before and after; saves the adapter to
    ``<output-dir>/adapter``; ``--json PATH`` writes the metrics.
+
+Measured on a 2-core VM (CPU, 1 thread): the default 300 steps train in ~35 s (~4K tokens/s, ~0.7 GB RSS), ~45 s
+in all, from 0% to 100% exact match on 64 held-out prompts (loss 6.97 -> 0.01); seeds 0, 1, 2 and 5 all reach 100%.
 
 Checkpoints go to ``<output-dir>/trainer/checkpoint-N`` every ``--save-steps`` steps (the last two are kept, each
 written atomically). ``--resume`` continues an interrupted run (a closed notebook, a killed process) from the newest
@@ -16,13 +21,17 @@ complete checkpoint, reusing ``<output-dir>/base``; it ends with the adapter and
 no checkpoint there yet, it starts from step 0.
 
 Choices that make a random-init demo learn honestly (not what you would do on a pretrained model):
-- LoRA rank 32 on the 7 projections, and the embeddings and lm_head trained in full (``modules_to_save``): a
-  random base has no useful token representations for LoRA to steer, so the vocabulary has to move. The adapter
-  (LoRA + those two small matrices: 1,024 x 128 each) is what gets saved.
-- learning rate 3e-3 with a short warm-up and cosine decay: tiny adapters on a tiny model tolerate it.
+- the embeddings and lm_head are trained in full beside LoRA r=16 on the 7 projections (``modules_to_save``): a
+  random base has no useful token representations for LoRA to steer. Measured: without them, 300 steps end at
+  loss 5.6 and 3% exact match (0% with lr 1e-2); with them, r=8, 16 and 32 all reach 100%. The saved adapter
+  holds LoRA plus those two 1,024 x 128 matrices.
+- learning rate 3e-3 with a 5% warm-up and cosine decay: tiny adapters on a tiny model tolerate it. Learning the
+  skill is a sudden drop (the model learns to copy from the prompt) around step 100-200.
 - one CPU thread by default (``--threads``): the model's matrices are 128 wide, too small to split. Measured on a
   2-core VM, 60 steps: 7.1 s with 1 thread, 8.3 s with 2 when the machine is idle, and up to 60 s with 2 when
   another process shares the cores (OpenMP threads wait on each other).
+- answering before training is safe on CPU only because ``load_model`` keeps bitsandbytes' 4-bit layers trainable
+  after an eval pass (``nbkit.loading.keep_4bit_trainable``); without it this demo stays at loss ~3 and 0%.
 - where compute is not bf16 (CPU: fp32; T4: fp16) the trainable weights stay fp32. TRL casts QLoRA adapters
   to bf16 (the QLoRA recipe for bf16 GPUs); on a CPU that only loses precision, and fp16 gradient scaling cannot
   unscale bf16 gradients. Both trainers get the same treatment.
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import resource
 import sys
@@ -50,20 +60,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m nbkit demo",
         description="QLoRA-train a tiny model of a real architecture on generated data; no download needed.",
     )
-    parser.add_argument("--max-steps", type=int, default=DEFAULT_MAX_STEPS, help="optimizer steps (default %(default)s)")
+    parser.add_argument("--max-steps", type=int, default=DEFAULT_MAX_STEPS,
+                        help="optimizer steps (default %(default)s)")
     parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help="base model, adapter and trainer output")
     parser.add_argument("--json", dest="json_path", default=None, help="write the metrics to this JSON file")
     parser.add_argument("--baseline", action="store_true", help="train with TRL's plain SFTTrainer instead of FastSFT")
     parser.add_argument("--family", default="qwen3", help="model family (default %(default)s)")
     parser.add_argument("--no-4bit", dest="load_in_4bit", action="store_false", help="load the base unquantized")
-    parser.add_argument("--lora-r", type=int, default=32, help="LoRA rank (default %(default)s)")
+    parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (default %(default)s)")
     parser.add_argument("--learning-rate", type=float, default=3e-3, help="peak learning rate (default %(default)s)")
     parser.add_argument("--batch-size", type=int, default=2, help="packed rows per step (default %(default)s)")
     parser.add_argument("--max-length", type=int, default=256, help="tokens per packed row (default %(default)s)")
     parser.add_argument("--eval-examples", type=int, default=64, help="held-out prompts scored (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
-                        help="CPU threads for torch when training on the CPU (default %(default)s, see the docstring)")
+                        help="torch threads on a CPU (default %(default)s: the tiny model's matrices are too small to split)")
     parser.add_argument("--save-steps", type=int, default=50,
                         help="write a checkpoint every N steps, 0 for none (default %(default)s)")
     parser.add_argument("--resume", action="store_true",
@@ -77,6 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--max-steps must be >= 1")
     if args.threads < 1:
         parser.error("--threads must be >= 1")
+    from nbkit.demo.data import EVAL_SIZE
+
+    if not 1 <= args.eval_examples <= EVAL_SIZE:
+        parser.error(f"--eval-examples must be between 1 and {EVAL_SIZE}")
     if args.save_steps < 0:
         parser.error("--save-steps must be >= 0")
     if args.resume and args.save_steps == 0:
@@ -111,7 +126,9 @@ def build_base(folder: Path, family: str, seed: int):
 
 
 @torch.no_grad()
-def generate_answers(model, tokenizer, questions: list[str], max_new_tokens: int = 12, batch_size: int = 32) -> list[str]:
+def generate_answers(
+    model, tokenizer, questions: list[str], max_new_tokens: int = 12, batch_size: int = 32
+) -> list[str]:
     """Greedy answers of ``model`` to chat ``questions`` (left-padded batches), decoded without special tokens."""
     was_training = model.training
     model.eval()
@@ -121,7 +138,9 @@ def generate_answers(model, tokenizer, questions: list[str], max_new_tokens: int
     try:
         for start in range(0, len(questions), batch_size):
             prompts = [
-                tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+                )
                 for q in questions[start : start + batch_size]
             ]
             batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
@@ -139,6 +158,43 @@ def generate_answers(model, tokenizer, questions: list[str], max_new_tokens: int
         tokenizer.padding_side = side
         model.train(was_training)
     return answers
+
+
+@torch.no_grad()
+def assistant_loss(model, tokenizer, pairs: list[tuple[str, str]], batch_size: int = 32) -> float:
+    """Mean negative log-likelihood per assistant token (answer and end-of-turn) over chat ``pairs``."""
+    was_training = model.training
+    model.eval()
+    device = next(p.device for p in model.parameters())
+    total, count = 0.0, 0
+    try:
+        for start in range(0, len(pairs), batch_size):
+            rows = [
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": q}, {"role": "assistant", "content": a}],
+                    return_dict=True,
+                    return_assistant_tokens_mask=True,
+                )
+                for q, a in pairs[start : start + batch_size]
+            ]
+            width = max(len(r["input_ids"]) for r in rows)
+            ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+            labels = torch.full((len(rows), width), -100)
+            attention = torch.zeros((len(rows), width), dtype=torch.long)
+            for i, r in enumerate(rows):
+                n = len(r["input_ids"])
+                ids[i, :n] = torch.tensor(r["input_ids"])
+                attention[i, :n] = 1
+                labels[i, :n] = torch.where(torch.tensor(r["assistant_masks"]) == 1, ids[i, :n], -100)
+            logits = model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits.float()
+            targets = labels[:, 1:].to(device)
+            total += torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="sum"
+            ).item()
+            count += int((targets != -100).sum())
+    finally:
+        model.train(was_training)
+    return total / max(count, 1)
 
 
 def exact_match(predictions: list[str], references: list[str]) -> float:
@@ -226,6 +282,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from nbkit.demo.data import demo_pairs, make_dataset
     from nbkit.loading import load_model, pick_compute_dtype
 
+    # bitsandbytes logs at import that an optional Hub kernel for CPU is missing; the demo downloads nothing
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     out_dir = Path(args.output_dir)
     base_dir, adapter_dir = out_dir / "base", out_dir / "adapter"
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -261,6 +319,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     questions, references = [q for q, _ in eval_pairs], [a for _, a in eval_pairs]
 
     before = generate_answers(model, tokenizer, questions)
+    eval_loss_before = assistant_loss(model, tokenizer, eval_pairs)
     config = config_cls(
         output_dir=str(out_dir / "trainer"),
         max_steps=args.max_steps,
@@ -284,6 +343,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         include_num_input_tokens_seen="all",
         dataloader_num_workers=0,
+        dataloader_pin_memory=device.type == "cuda",  # pinning needs an accelerator (a warning on CPU)
     )
     trainer = trainer_cls(model=model, args=config, train_dataset=train_dataset, processing_class=tokenizer)
     if compute_dtype != torch.bfloat16:
@@ -311,6 +371,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokens = int(trainer.state.num_input_tokens_seen)
     tokens_now = tokens - tokens_before  # this session's share, for tokens/s
     after = generate_answers(model, tokenizer, questions)
+    eval_loss_after = assistant_loss(model, tokenizer, eval_pairs)
     trainer.save_model(str(adapter_dir))
 
     metrics: dict[str, Any] = {
@@ -331,6 +392,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "eval_examples": len(questions),
         "eval_accuracy_before": exact_match(before, references),
         "eval_accuracy_after": exact_match(after, references),
+        "eval_loss_before": eval_loss_before,
+        "eval_loss_after": eval_loss_after,
         "samples": [
             {"question": q, "reference": r, "before": b, "after": a}
             for q, r, b, a in zip(questions, references, before, after)
@@ -354,15 +417,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _report(m: dict[str, Any]) -> None:
     print()
-    print(f"trainer            {m['trainer']} ({m['family']}, {'QLoRA 4-bit' if m['load_in_4bit'] else 'LoRA'}, {m['device']})")
+    kind = "QLoRA 4-bit" if m["load_in_4bit"] else "LoRA"
+    print(f"trainer            {m['trainer']} ({m['family']}, {kind}, {m['device']})")
     resumed = f" (resumed from {Path(m['resumed_from']).name})" if m.get("resumed_from") else ""
     print(f"steps              {m['steps']} in {m['train_seconds']:.1f} s{resumed}")
     print(f"loss               {m['loss_first']:.3f} -> {m['loss_last']:.3f}")
     print(f"tokens/s           {m['tokens_per_second']:,.0f} ({m['tokens']:,} tokens)")
-    print(f"peak memory        {_fmt_bytes(m['peak_memory_bytes'])} ({'CUDA allocated' if m['device'] == 'cuda' else 'process RSS'})")
+    memory_kind = "CUDA allocated" if m["device"] == "cuda" else "process RSS"
+    print(f"peak memory        {_fmt_bytes(m['peak_memory_bytes'])} ({memory_kind})")
     print(f"packing efficiency {m['packing_efficiency']:.1%}")
     print(f"exact match        {m['eval_accuracy_before']:.0%} -> {m['eval_accuracy_after']:.0%} "
           f"on {m['eval_examples']} held-out prompts")
+    print(f"held-out loss      {m['eval_loss_before']:.3f} -> {m['eval_loss_after']:.3f} (answer tokens)")
     print()
     for sample in m["samples"][:4]:
         print(f"  Q: {sample['question']}")
