@@ -461,10 +461,13 @@ def loss_chart_svg(history: tuple[tuple[int, float, float], ...], width: int = 3
     )
 
 
-def _bar_html(percent: Optional[float], inner_percent: Optional[float] = None, width: int = 320) -> str:
-    """A progress bar made of divs; ``inner_percent`` draws a darker part (allocated inside reserved)."""
+def _bar_html(percent: Optional[float], inner_percent: Optional[float] = None, width: int = 320,
+              color: Optional[str] = None) -> str:
+    """A progress bar made of divs; ``inner_percent`` draws a darker part (allocated inside reserved). Without
+    ``color`` the bar is a fill level (green, orange past 80%, red past 95%)."""
     p = 0.0 if percent is None else min(100.0, max(0.0, percent))
-    color = "#2ca02c" if p < 80 else "#ff7f0e" if p < 95 else "#d62728"
+    if color is None:
+        color = "#2ca02c" if p < 80 else "#ff7f0e" if p < 95 else "#d62728"
     inner = ""
     if inner_percent is not None:
         q = min(p, max(0.0, inner_percent))
@@ -516,7 +519,8 @@ def panel_html(s: Snapshot, final: bool = False) -> str:
     return (
         '<div style="font-family:system-ui,sans-serif;font-size:12px;line-height:1.45;max-width:720px">'
         + _header_html(s, title)
-        + f"<div>{_bar_html(progress_pct)} {html.escape(_progress_text(s))}</div>"
+        # progress is not a fill level: one colour, not green-to-red
+        + f"<div>{_bar_html(progress_pct, color='#1f77b4')} {html.escape(_progress_text(s))}</div>"
         + '<div style="display:flex;flex-wrap:wrap;gap:16px;align-items:flex-start;margin-top:4px">'
         + f"<div>{_table_html(_stats_rows(s, final))}</div><div>{loss_chart_svg(s.history)}</div></div>"
         + f"<div>{_bar_html(s.vram_percent, s.allocated_percent)} {html.escape(_vram_text(s))}</div>"

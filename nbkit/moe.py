@@ -634,8 +634,9 @@ class FastMoERouting:
         base = unwrap_model(model)
         experts = [m for m in base.modules() if _is_interface_experts(m)]
         if not experts:
-            logger.warning("nbkit fast_moe_routing: off for %s: no experts module goes through transformers' "
-                           "ExpertsInterface", type(base).__name__)
+            # a dense model: nothing to route, so nothing to warn about
+            logger.info("nbkit fast_moe_routing: off for %s: no experts module goes through transformers' "
+                        "ExpertsInterface", type(base).__name__)
             return False
         reason = _unsupported_reason(base, experts)
         if reason:
