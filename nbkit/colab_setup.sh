@@ -1,0 +1,1 @@
+../colab_setup.sh

@@ -1,0 +1,242 @@
+"""Plumbing the example notebooks share, kept out of them so that their cells show only the nbkit calls that matter.
+
+- ``pick_model``: the model a notebook trains. ``"auto"`` is a real checkpoint on a GPU and, with no GPU, a tiny
+  randomly initialised model of a real architecture saved to a local folder with the demo tokenizer; either way
+  the notebook then loads it through the same ``nbkit.load_model(path, ...)`` call.
+- ``to_prompt_completion`` / ``demo_chat_dataset``: chat rows as TRL's conversational prompt-completion format, so
+  the loss covers the answer only with any model's chat template (``assistant_only_loss`` needs templates with
+  ``{% generation %}`` markers, which most shipped templates lack).
+- ``answers``: greedy chat answers, before and after training.
+- ``RunProbe``: tokens/s (TRL's token count, first step left out), per-step losses and peak CUDA memory of a run.
+- ``sequence_loss``: one number to tell whether two models (trained, reloaded, merged) are the same.
+- ``feature``: whether an nbkit module and the name a notebook needs are there, and if not, what is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from transformers import TrainerCallback
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    path: str  # what to pass to load_model: a Hub id or a local folder
+    tiny: bool  # a random-init tiny model (train it with a high learning rate and its vocabulary trainable)
+    family: Optional[str]  # the tiny model's family, None for a real checkpoint
+
+    def describe(self) -> str:
+        if self.tiny:
+            return f"tiny random-init {self.family} model saved in {self.path} (no GPU or model_name='tiny')"
+        return self.path
+
+
+def pick_model(model_name: str, gpu_default: str, tiny_family: str = "qwen3", folder: str | Path = "nbkit-out/tiny",
+               seed: int = 0) -> ModelChoice:
+    """Resolve a notebook's ``model_name`` parameter.
+
+    ``"auto"``: ``gpu_default`` when CUDA is available, else ``"tiny"``. ``"tiny"`` (or ``"tiny:FAMILY"``): build a
+    tiny ``FAMILY`` model (``nbkit.demo.models``), sized to the demo tokenizer, and save both to ``folder``.
+    Anything else is returned as is (a Hub id or a local folder).
+    """
+    if model_name == "auto":
+        model_name = gpu_default if torch.cuda.is_available() else "tiny"
+    if model_name == "tiny" or model_name.startswith("tiny:"):
+        family = model_name.partition(":")[2] or tiny_family
+        from nbkit.demo.run import build_base
+
+        build_base(Path(folder), family, seed)
+        return ModelChoice(str(folder), True, family)
+    return ModelChoice(model_name, False, None)
+
+
+def to_prompt_completion(dataset: Any) -> Any:
+    """A ``messages`` dataset as conversational prompt-completion: every turn before the last is the prompt, the
+    last (assistant) turn the completion. TRL then trains on the completion only, whatever the chat template."""
+
+    def split(row: dict) -> dict:
+        messages = row["messages"]
+        if not messages or messages[-1]["role"] != "assistant":
+            raise ValueError("each row's last message must be the assistant's answer")
+        return {"prompt": messages[:-1], "completion": messages[-1:]}
+
+    return dataset.map(split, remove_columns=["messages"])
+
+
+def demo_chat_dataset(n: int, split: str = "train", seed: int = 0) -> Any:
+    """The shipped demo task (reverse the words) as ``n`` conversational prompt-completion rows."""
+    from nbkit.demo.data import make_dataset
+
+    return to_prompt_completion(make_dataset("messages", n=n, split=split, seed=seed))
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode inside the block, back in the mode it had after it. (CPU 4-bit layers that
+    ``nbkit.load_model`` loaded are not repacked for inference by an evaluation: ``keep_4bit_trainable``.)"""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+_THINK = re.compile(r"^\s*<think>.*?</think>\s*", re.DOTALL)
+
+
+def answers(model: torch.nn.Module, tokenizer: Any, questions: Sequence[str], max_new_tokens: int = 16) -> list[str]:
+    """Greedy answers to chat ``questions``; an empty reasoning block (Qwen3's ``<think></think>``) is removed."""
+    from nbkit.demo.run import generate_answers
+
+    with eval_mode(model):
+        raw = generate_answers(model, tokenizer, list(questions), max_new_tokens=max_new_tokens)
+    return [_THINK.sub("", text).strip() for text in raw]
+
+
+def exact_match(predictions: Sequence[str], references: Sequence[str]) -> float:
+    return sum(p == r for p, r in zip(predictions, references)) / max(1, len(references))
+
+
+def keep_trainable_fp32(trainer: Any) -> None:
+    """Where compute is not bf16 (CPU: fp32; a T4: fp16), keep the trainable weights in fp32.
+
+    TRL casts QLoRA adapters to bf16 (the recipe for bf16 GPUs); on a CPU that only loses precision, and fp16
+    gradient scaling cannot unscale bf16 gradients. Same treatment as ``python -m nbkit demo``.
+    """
+    from nbkit.loading import pick_compute_dtype
+
+    if pick_compute_dtype() == torch.bfloat16:
+        return
+    for param in trainer.model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()
+
+
+class RunProbe(TrainerCallback):
+    """Measures a training run: step losses and gradient norms, step times, tokens/s and peak CUDA memory.
+
+    tokens/s counts tokens as TRL logs them (``num_tokens``, cumulative; needs ``logging_steps=1`` for a per-step
+    rate) from the first log to the last, so the first step (warm-up, compilation) is left out; with a single log
+    it falls back to all tokens over the whole run. Peak memory is ``torch.cuda.max_memory_allocated`` after a
+    reset at ``on_train_begin`` (None on CPU: host memory has no per-run peak to read).
+    """
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+        self.step_seconds: list[float] = []
+        self._step_start = 0.0
+        self.points: list[tuple[float, int]] = []
+        self.t_begin = self.t_end = 0.0
+        self.peak_memory: Optional[int] = None
+        self._device: Optional[torch.device] = None
+
+    def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001 - TrainerCallback's signature
+        self._device = getattr(args, "device", None)
+        if self._device is not None and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+            torch.cuda.reset_peak_memory_stats(self._device)
+        self.t_begin = time.perf_counter()
+
+    def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001
+        self._step_start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        self._sync()
+        self.step_seconds.append(time.perf_counter() - self._step_start)
+
+    def _sync(self) -> None:
+        if self._device is not None and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001
+        logs = logs or {}
+        if "loss" in logs and isinstance(logs["loss"], (int, float)):
+            self.losses.append(float(logs["loss"]))
+        if isinstance(logs.get("grad_norm"), (int, float)):
+            self.grad_norms.append(float(logs["grad_norm"]))
+        tokens = logs.get("num_tokens", logs.get("num_input_tokens_seen"))
+        if isinstance(tokens, (int, float)) and "loss" in logs:
+            self._sync()
+            self.points.append((time.perf_counter(), int(tokens)))
+
+    def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        self.t_end = time.perf_counter()
+        if self._device is not None and self._device.type == "cuda":
+            self.peak_memory = int(torch.cuda.max_memory_allocated(self._device))
+
+    @property
+    def seconds_per_step(self) -> float:
+        """Median step time, the first step left out when there are others."""
+        times = sorted(self.step_seconds[1:] or self.step_seconds)
+        return times[len(times) // 2] if times else math.nan
+
+    @property
+    def tokens(self) -> int:
+        return self.points[-1][1] if self.points else 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        if len(self.points) >= 2 and self.points[-1][0] > self.points[0][0]:
+            (t0, n0), (t1, n1) = self.points[0], self.points[-1]
+            return (n1 - n0) / (t1 - t0)
+        elapsed = self.t_end - self.t_begin
+        return self.tokens / elapsed if elapsed > 0 else math.nan
+
+
+@torch.no_grad()
+def sequence_loss(model: torch.nn.Module, tokenizer: Any, pairs: Sequence[tuple[str, str]]) -> float:
+    """Mean next-token cross-entropy of ``model`` over the chat-formatted (question, answer) ``pairs``, every token
+    counted, computed from the logits: no auxiliary term (TRL turns on MoE models' router loss, which
+    ``model(labels=...).loss`` would add), so two models with the same weights give the same number.
+    """
+    device = next(p.device for p in model.parameters())
+    total, count = 0.0, 0
+    with eval_mode(model):
+        for question, answer in pairs:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": question}, {"role": "assistant", "content": answer}], tokenize=False
+            )
+            ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
+            logits = model(input_ids=ids).logits[0, :-1].float()
+            total += float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum"))
+            count += ids.shape[1] - 1
+    return total / max(1, count)
+
+
+def feature(module: str, name: str) -> tuple[bool, str]:
+    """Whether ``module`` imports and defines ``name``; the message says what is missing when it does not."""
+    try:
+        mod = importlib.import_module(module)
+    except Exception as error:  # noqa: BLE001 - any import failure means the feature is not there
+        return False, f"{module} cannot be imported ({type(error).__name__}: {error})"
+    if not hasattr(mod, name):
+        return False, f"{module} has no {name}"
+    return True, f"{module}.{name} is available"
+
+
+def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> Any:
+    """A Markdown table for ``IPython.display.display`` (renders in Jupyter, Colab, Kaggle and on GitHub)."""
+    from IPython.display import Markdown
+
+    def cell(value: Any) -> str:
+        return str(value).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(map(cell, headers)) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
+    return Markdown("\n".join(lines))
+
+
+def fmt_bytes(n: Optional[int]) -> str:
+    if n is None:
+        return "n/a"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"

@@ -1,0 +1,341 @@
+"""The example notebooks: committed clean, and each one runs top to bottom on CPU with tiny parameters.
+
+Each notebook is executed by nbclient in a real ipykernel (so the dashboard takes its notebook path: a widget with
+an HTML fallback, replaced by a static summary) with a cell of parameters inserted after its ``parameters`` cell,
+the way papermill does. The assertions read what the run produced: the ``results.json`` each notebook writes, the
+files it saved, and the outputs of the executed notebook (the dashboard's final summary, errors).
+
+Set ``NBKIT_EXECUTED_DIR`` to keep the executed notebooks (the browser test and reviewers can open them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+NAMES = ["01_qlora_quickstart", "02_speed_lab", "03_long_context", "04_moe_finetune"]
+
+# Tiny parameters for a CPU runner (2 cores): all of this file in about two and a half minutes. The kernels run
+# with one OpenMP thread: on a shared 2-core machine, two threads that wait for each other at every op's barrier
+# made the same runs up to 50x slower whenever another process held a core.
+TINY = dict(model_name="auto", max_length=128, batch_size=2, run_setup=False)
+PARAMS = {
+    "01_qlora_quickstart": dict(TINY, max_steps=300, train_examples=3000, eval_examples=16),
+    "02_speed_lab": dict(TINY, max_steps=6, train_examples=200, load_in_4bit=False),
+    "03_long_context": dict(model_name="auto", run_setup=False, start_length=128, max_try_length=1024,
+                            steps_per_try=2, load_in_4bit=False),
+    "04_moe_finetune": dict(TINY, max_steps=10, train_examples=200, eval_examples=4),
+}
+
+
+def inject(nb, params: dict) -> None:
+    """Insert a cell that overrides ``params`` right after the cell tagged ``parameters`` (papermill's way)."""
+    index = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    source = "# Injected by tests/test_notebooks.py\n" + "".join(f"{k} = {v!r}\n" for k, v in params.items())
+    cell = nbformat.v4.new_code_cell(source)
+    cell.metadata["tags"] = ["injected-parameters"]
+    cell.id = "injected-parameters"
+    nb.cells.insert(index + 1, cell)
+
+
+BLOCKER = """
+# Test-only: makes the modules named in NBKIT_TEST_BLOCK unimportable, as if they had not landed yet.
+import os, sys
+
+class _Blocked:
+    names = set(filter(None, os.environ.get("NBKIT_TEST_BLOCK", "").split(",")))
+
+    def find_spec(self, name, path=None, target=None):
+        if name in self.names:
+            raise ImportError(f"No module named {name!r}")
+        return None
+
+sys.meta_path.insert(0, _Blocked())
+"""
+
+
+def execute(source: Path, workdir: Path, params: dict, timeout: int = 600, block: tuple[str, ...] = ()):
+    """Run the notebook at ``source`` with ``params`` in ``workdir`` (its cwd); return the executed notebook.
+    Modules in ``block`` cannot be imported in the kernel (a ``sitecustomize`` on its PYTHONPATH)."""
+    nb = nbformat.read(source, as_version=4)
+    inject(nb, params)
+    env_keep = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM",
+                                               "MPLBACKEND", "PYTHONPATH", "NBKIT_TEST_BLOCK")}
+    os.environ.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    if block:
+        site = workdir / "blocker"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(BLOCKER)
+        path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+        os.environ.update(PYTHONPATH=path, NBKIT_TEST_BLOCK=",".join(block))
+    os.environ.pop("MPLBACKEND", None)  # the kernel's inline backend, as in Jupyter
+    client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+                                     resources={"metadata": {"path": str(workdir)}})
+    try:
+        client.execute()
+    finally:
+        for key, value in env_keep.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    keep = os.environ.get("NBKIT_EXECUTED_DIR")
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, Path(keep) / source.name)
+    return nb
+
+
+def errors(nb) -> list[str]:
+    found = []
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            if output.get("output_type") == "error":
+                found.append(f"cell {cell.id}: {output['ename']}: {output['evalue']}\n"
+                             + "\n".join(output["traceback"]))
+    return found
+
+
+def all_text(nb) -> str:
+    """Everything the notebook printed or displayed as text or HTML, ANSI codes removed."""
+    parts = []
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            if "text" in output:
+                parts.append(output["text"])
+            data = output.get("data", {})
+            for mime in ("text/plain", "text/html", "text/markdown"):
+                if mime in data:
+                    parts.append(data[mime])
+    return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(parts))
+
+
+def dashboard_outputs(nb) -> list[str]:
+    """The HTML of every dashboard display left in the notebook (the live panel is replaced by its summary)."""
+    return [output["data"]["text/html"] for cell in nb.cells for output in cell.get("outputs", [])
+            if "text/html" in output.get("data", {}) and "nbkit · training" in output["data"]["text/html"]]
+
+
+def assert_summary_has_numbers(html: str) -> None:
+    """The end-of-run summary: finished, steps, tokens/s with numbers, loss, RAM (and VRAM on CUDA)."""
+    text = re.sub(r"<[^>]+>", " ", html)
+    text = re.sub(r"\s+", " ", text)
+    assert "training finished" in text, text
+    assert re.search(r"step (\d+)/\1\b", text), text
+    assert re.search(r"tokens/s [\d.]+k? now, [\d.]+k? mean \([\d.]+k? tokens\)", text), text
+    assert re.search(r"loss \d+\.\d{4} last", text), text
+    assert re.search(r"RAM \d+(\.\d)? (MiB|GiB) of \d+(\.\d)? GiB", text), text
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("notebooks")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# committed clean
+
+
+def test_notebooks_match_their_generator(tmp_path):
+    """notebooks/*.ipynb are exactly what tools/make_notebooks.py writes (so they are reviewed as Python)."""
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "make_notebooks.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "make_notebooks.py"), "--out", str(tmp_path)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(p.stem for p in tmp_path.glob("*.ipynb")) == NAMES
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_is_clean_with_parameters_first(name):
+    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    nbformat.validate(nb)
+    assert "widgets" not in nb.metadata
+    code_cells = [c for c in nb.cells if c.cell_type == "code"]
+    assert code_cells[0].metadata.get("tags") == ["parameters"]
+    for cell in code_cells:
+        assert cell.outputs == [] and cell.execution_count is None, cell.id
+    params = {}
+    exec(code_cells[0].source, {}, params)  # plain assignments only
+    assert {"model_name", "load_in_4bit", "output_dir", "seed", "run_setup", "nbkit_source"} <= set(params)
+    assert set(PARAMS[name]) <= set(params), "the CI parameters must exist in the notebook"
+    # the second code cell is the setup cell, which goes through colab_setup.sh via nbkit.setup
+    assert "nbkit.setup" in code_cells[1].source and "--no-deps" in code_cells[1].source
+
+
+def test_setup_cells_are_the_same_everywhere():
+    setups = {name: [c for c in nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4).cells
+                     if c.cell_type == "code"][1].source for name in NAMES}
+    assert len(set(setups.values())) == 1
+
+
+def test_setup_cell_runs_colab_setup_on_colab(tmp_path, monkeypatch):
+    """On Colab (faked), the setup cell runs colab_setup.sh through nbkit.setup; --dry-run here, so nothing is
+    installed. nbkit is importable, so the bootstrap install is skipped; no package changed, so no restart."""
+    nb = nbformat.read(NOTEBOOKS / "01_qlora_quickstart.ipynb", as_version=4)
+    code_cells = [c for c in nb.cells if c.cell_type == "code"]
+    nb.cells = code_cells[:2]
+    nb_path = tmp_path / "setup_only.ipynb"
+    nbformat.write(nb, nb_path)
+    monkeypatch.setenv("COLAB_RELEASE_TAG", "release-colab_20250101-060000_RC00")  # the kernel inherits it
+    ran = execute(nb_path, tmp_path, {"nbkit_source": str(ROOT), "setup_options": ["--dry-run"]})
+    assert not errors(ran), errors(ran)
+    text = all_text(ran)
+    assert "platform: colab" in text and f"installing nbkit from {ROOT}" in text
+    assert "NBKIT_RESTART_NEEDED=unknown" in text and "setup skipped" not in text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# executed on CPU
+
+
+def run(name: str, workdir: Path, block: tuple[str, ...] = ()) -> tuple:
+    start = time.perf_counter()
+    params = dict(PARAMS[name], output_dir=f"nbkit-out/{name}{'-without' if block else ''}")
+    nb = execute(NOTEBOOKS / f"{name}.ipynb", workdir, params, block=block)
+    seconds = time.perf_counter() - start
+    problems = errors(nb)
+    assert not problems, "\n\n".join(problems)
+    results = json.loads((workdir / params["output_dir"] / "results.json").read_text())
+    print(f"{name}: {seconds:.0f} s")
+    return nb, results
+
+
+def test_01_qlora_quickstart(workdir):
+    nb, r = run("01_qlora_quickstart", workdir)
+    out = workdir / "nbkit-out" / "01_qlora_quickstart"
+    assert r["tiny"] and r["load_in_4bit"] and r["steps"] == PARAMS["01_qlora_quickstart"]["max_steps"]
+    assert r["loss_last"] < r["loss_first"], "training loss did not fall"
+    assert r["loss_trained"] < r["loss_before"], "held-out loss did not fall"
+    # the model answers better: 300 steps take the tiny model from 0% to (nearly) all held-out prompts right
+    assert r["exact_match_before"] == 0.0 and r["exact_match_after"] >= 0.5
+    assert r["tokens_per_second"] > 0 and math.isfinite(r["tokens_per_second"])
+    assert any(name.startswith("cached_packing") for name in r["nbkit_attached"])
+    # adapter saved, and reloaded onto a fresh 4-bit base it is the same model
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(r["adapter_files"])
+    assert (out / "adapter" / "adapter_model.safetensors").stat().st_size > 0
+    assert abs(r["loss_reloaded"] - r["loss_trained"]) <= 1e-5 * r["loss_trained"]
+    # merged 16-bit model saved, reloaded, and it kept what training taught it
+    assert r["merged_dtype"] == "bfloat16"
+    assert (out / "merged-16bit" / "config.json").is_file() and list((out / "merged-16bit").glob("*.safetensors"))
+    assert r["loss_merged"] < r["loss_before"] and r["exact_match_merged"] >= 0.5
+    # the dashboard: one display in the notebook (no flooding), now the static summary with the numbers in it
+    assert r["dashboard_mode"] == "widget"
+    summaries = dashboard_outputs(nb)
+    assert len(summaries) == 1, f"{len(summaries)} dashboard outputs"
+    assert_summary_has_numbers(summaries[0])
+    assert "VRAM -- (not on CUDA)" in summaries[0]  # CPU: says so instead of showing made-up VRAM
+    assert r["dashboard_tokens_per_second_mean"] > 0
+    text = all_text(nb)
+    assert "setup skipped" in text and "exact match" in text
+
+
+def test_02_speed_lab(workdir):
+    nb, r = run("02_speed_lab", workdir)
+    rows = {row["name"]: row for row in r["rows"]}
+    assert list(rows) == ["SFTTrainer (plain TRL)", "FastSFT (defaults)", "cached_packing=False",
+                          "offload_checkpointing=True", "offload_double_buffer=False", "live_dashboard=False"]
+    assert r["reference"] == "SFTTrainer (plain TRL)"
+    for row in rows.values():
+        assert row["tokens_per_second"] > 0 and math.isfinite(row["tokens_per_second"])
+        assert len(row["losses"]) == PARAMS["02_speed_lab"]["max_steps"]
+        assert row["peak_vram"] is None  # CPU: not measured, and not faked
+    # the switches change speed only: every loss curve lies on the plain one
+    assert r["losses_coincide"] and r["tolerance"] == 1e-3
+    assert all(row["max_relative_loss_gap"] <= 1e-3 for row in rows.values())
+    # each switch did what its name says
+    assert rows["SFTTrainer (plain TRL)"]["nbkit_attached"] == []
+    assert any(n.startswith("cached_packing") for n in rows["FastSFT (defaults)"]["nbkit_attached"])
+    assert not any(n.startswith("cached_packing") for n in rows["cached_packing=False"]["nbkit_attached"])
+    assert "offload_checkpointing" in rows["offload_checkpointing=True"]["nbkit_attached"]
+    assert "offload_checkpointing" not in rows["FastSFT (defaults)"]["nbkit_attached"]  # "auto" is off on CPU
+    # the chart: saved, and shown inline
+    assert (workdir / "nbkit-out" / "02_speed_lab" / "speed_lab.png").stat().st_size > 10_000
+    assert any("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
+    # one dashboard summary per run that had a dashboard (all but live_dashboard=False)
+    summaries = dashboard_outputs(nb)
+    assert len(summaries) == len(rows) - 1
+    for html in summaries:
+        assert_summary_has_numbers(html)
+
+
+def test_03_long_context(workdir):
+    from nbkit.notebook import feature
+
+    nb, r = run("03_long_context", workdir)
+    text = all_text(nb)
+    available, message = feature("nbkit.offload", "OffloadedCheckpointing")
+    assert r["offload_available"] == available
+    if not available:  # the notebook must say what is missing, not pretend
+        assert "NOT available" in text and message in text
+        assert list(r["tried"]) == ["False"]
+        return
+    assert r["missing"] == [] and r["offload_attached"]
+    for mode in ("False", "True"):
+        assert list(r["tried"][mode]) == ["128", "256", "512", "1024"]  # doubling up to the limit
+        assert all(row["fits"] for row in r["tried"][mode].values())
+        assert r["longest_fit"][mode] == 1024 and r["first_oom"][mode] is None
+    assert r["max_relative_gap"] <= r["tolerance"] == 1e-4  # loss and gradient norm, offload on vs off
+    assert "CPU run: no VRAM limit to find" in text
+
+
+def test_04_moe_finetune(workdir):
+    from nbkit.notebook import feature
+
+    nb, r = run("04_moe_finetune", workdir)
+    text = all_text(nb)
+    assert r["tiny"] and r["experts"] == 4 and r["lora_on_experts"]
+    assert r["loss_last"] < r["loss_first"] and r["loss_trained"] < r["loss_before"]
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(r["adapter_files"])
+    assert abs(r["loss_reloaded"] - r["loss_trained"]) <= 1e-4 * r["loss_trained"]
+    available, message = feature("nbkit.moe", "FastMoERouting")
+    assert r["routing_available"] == available
+    if not available:
+        assert "NOT available" in text and message in text
+        return
+    assert r["routing_used"], "fast_moe_routing did not attach to the tiny qwen3_moe"
+    assert r["max_relative_loss_gap"] <= r["loss_tolerance"] == 1e-3
+    assert r["plain_tokens_per_second"] > 0
+    summaries = dashboard_outputs(nb)
+    assert len(summaries) == 2
+    for html in summaries:
+        assert_summary_has_numbers(html)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the honesty rule: with the feature missing, the notebook says what is missing and measures only what exists
+
+
+def test_03_says_what_is_missing_without_offload(workdir):
+    nb, r = run("03_long_context", workdir, block=("nbkit.offload",))
+    text = all_text(nb)
+    assert not r["offload_available"] and not r["offload_attached"]
+    assert r["missing"] == ["nbkit.offload cannot be imported (ImportError: No module named 'nbkit.offload')"]
+    assert "offloaded checkpointing is NOT available" in text and r["missing"][0] in text
+    assert list(r["tried"]) == ["False"] and r["longest_fit"]["False"] == 1024  # the plain path is still measured
+    assert r["max_relative_gap"] is None  # no comparison made up
+
+
+def test_04_says_what_is_missing_without_moe_routing(workdir):
+    nb, r = run("04_moe_finetune", workdir, block=("nbkit.moe",))
+    text = all_text(nb)
+    assert not r["routing_available"] and not r["routing_used"]
+    assert "nbkit's MoE routing is NOT available" in text and "nbkit.moe cannot be imported" in text
+    assert "fast_moe_routing" not in " ".join(r["nbkit_attached"])
+    assert "plain_tokens_per_second" not in r and "skipped: there is no nbkit MoE routing" in text
+    assert r["loss_last"] < r["loss_first"]  # the fine-tune itself still works, on transformers' experts path

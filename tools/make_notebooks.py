@@ -1,0 +1,1067 @@
+"""Write the example notebooks in notebooks/ from the cell sources below (run from anywhere).
+
+Why a generator: a notebook is JSON with outputs, execution counts, widget state and random cell ids; reviewing
+it means reading that JSON. Here every cell is plain text in one Python file, and the written notebooks carry no
+outputs, no widget state and stable cell ids, so a diff of a notebook is a diff of its cells.
+
+    python tools/make_notebooks.py           # (re)write notebooks/*.ipynb
+    python tools/make_notebooks.py --check   # exit 1 if a committed notebook differs from what this file makes
+
+Each notebook's first code cell is tagged ``parameters`` (papermill's convention; nbclient runs can insert an
+overriding cell after it), and each notebook runs top to bottom on a GPU with a real model, or on a CPU with a tiny
+local model when there is no GPU (``model_name="auto"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT_DIR = ROOT / "notebooks"
+
+
+def md(text: str) -> tuple[str, str]:
+    return ("markdown", textwrap.dedent(text).strip("\n"))
+
+
+def code(text: str, *tags: str) -> tuple[str, str, tuple[str, ...]]:
+    return ("code", textwrap.dedent(text).strip("\n"), tags)
+
+
+def params(text: str, name: str) -> tuple[str, str, tuple[str, ...]]:
+    """The first code cell: this notebook's parameters, then the ones every notebook has."""
+    body = textwrap.dedent(text).strip("\n") + "\n" + PARAMS_COMMON.format(name=name).strip("\n")
+    return ("code", body, ("parameters",))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# cells shared by every notebook
+
+PARAMS_COMMON = """
+output_dir = "nbkit-out/{name}"  # everything this notebook writes goes here
+nbkit_source = "pypi"  # where setup installs nbkit from: "pypi", "nbkit==0.1.0", a git+https:// URL or a local path
+run_setup = "auto"  # "auto": run colab_setup.sh on Colab/Kaggle only; True: always; False: never
+setup_options = []  # more colab_setup.sh options: ["--flash"] adds flash-attn if a prebuilt wheel fits
+seed = 0
+"""
+
+SETUP = code('''
+    # Setup. On Colab or Kaggle: install nbkit without touching the runtime's torch. nbkit goes in alone first
+    # (--no-deps: nothing is resolved, so nothing can replace torch), then its colab_setup.sh pins torch and
+    # installs the rest. Elsewhere (your machine, CI) this cell does nothing: install nbkit yourself.
+    import importlib, importlib.util, os
+
+    hosted = any(os.environ.get(v) for v in ("COLAB_RELEASE_TAG", "COLAB_GPU", "KAGGLE_KERNEL_RUN_TYPE",
+                                             "KAGGLE_URL_BASE"))
+    if run_setup is True or (run_setup == "auto" and hosted):
+        if importlib.util.find_spec("nbkit") is None:
+            requirement = "nbkit" if nbkit_source == "pypi" else nbkit_source
+            %pip install -q --no-deps {requirement}
+            importlib.invalidate_caches()
+        from nbkit.setup import run_setup as run_colab_setup
+
+        setup = run_colab_setup(["--from", nbkit_source, *setup_options])  # prints GPU, bf16/fp16, versions
+        if setup.returncode != 0:
+            raise RuntimeError("colab_setup.sh failed: its output above says why")
+        if setup.stale_imports():
+            raise SystemExit(f"Restart the runtime (upgraded after import: {', '.join(setup.stale_imports())}), "
+                             "then run all again.")
+    else:
+        print("setup skipped: not on Colab or Kaggle (run_setup=True runs colab_setup.sh anyway)")
+''')
+
+
+def intro_setup_md(extra: str = "") -> tuple[str, str]:
+    return md(f"""
+    **Run it**: *Run all*. The first code cell holds the parameters (tagged `parameters`, so papermill or nbclient
+    can override them). With `model_name="auto"` the notebook trains the real model on a GPU, and with no GPU a tiny
+    randomly initialised model of the same architecture, saved to a local folder with nbkit's demo tokenizer, so the
+    whole notebook also runs on a laptop CPU in a minute or two. Both go through the same `nbkit.load_model(path)`
+    call. {extra}
+    """)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 01: QLoRA quickstart
+
+NB01 = [
+    md("""
+    # QLoRA fine-tuning in one notebook, with nbkit
+
+    Load a model in 4-bit with LoRA adapters, build a chat dataset with the model's own chat template, train with
+    `nbkit.FastSFT` while the live dashboard shows speed, loss and memory, compare answers before and after, save the
+    adapter, merge it into a 16-bit model, and reload both to check they are what was trained.
+
+    The task is nbkit's shipped demo: *reverse the words* (`"Reverse the words: red fox moon"` ->
+    `"moon fox red"`). It is generated, so it needs no download, and scored on held-out prompts.
+    """),
+    intro_setup_md(),
+    params("""
+    # Parameters
+    model_name = "auto"  # "auto": Qwen/Qwen3-1.7B on a GPU, a tiny local qwen3 without one; "tiny"; a Hub id; a folder
+    load_in_4bit = True  # QLoRA: NF4 4-bit base + LoRA; False: a 16-bit base + LoRA
+    lora_r = 16
+    max_steps = 60
+    max_length = 512  # tokens per packed row
+    batch_size = 4  # packed rows per step
+    learning_rate = None  # None: 2e-4 for a pretrained model, 3e-3 for the tiny random-init one
+    train_examples = 2000
+    eval_examples = 16  # held-out prompts scored before and after
+    own_data = None  # path of a JSONL file with one {"messages": [...]} per line, to train on instead of the demo
+    """, "01_qlora_quickstart"),
+    SETUP,
+    md("## The model"),
+    code("""
+    import gc
+    import json
+    from pathlib import Path
+
+    import torch
+
+    import nbkit
+    from nbkit import FastSFT, FastSFTConfig, load_model
+    from nbkit.loading import pick_compute_dtype
+    from nbkit.notebook import (RunProbe, answers, demo_chat_dataset, exact_match, fmt_bytes, keep_trainable_fp32,
+                                md_table, pick_model, sequence_loss, to_prompt_completion)
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    compute_dtype = pick_compute_dtype()
+    device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA GPU"
+    print(f"nbkit {nbkit.__version__}, torch {torch.__version__}, {gpu}, compute dtype {compute_dtype}")
+
+    choice = pick_model(model_name, gpu_default="Qwen/Qwen3-1.7B", tiny_family="qwen3", folder=out / "tiny-base",
+                        seed=seed)
+    lr = learning_rate if learning_rate is not None else (3e-3 if choice.tiny else 2e-4)
+    print("model:", choice.describe())
+    results = {"model": choice.path, "tiny": choice.tiny, "load_in_4bit": load_in_4bit,
+               "compute_dtype": str(compute_dtype).replace("torch.", "")}
+    """),
+    code("""
+    torch.manual_seed(seed)  # LoRA's initial A matrices
+    model, tokenizer = load_model(
+        choice.path,
+        load_in_4bit=load_in_4bit,
+        lora_r=lora_r,
+        max_seq_length=max_length,
+        # a random-init model has no useful token embeddings for LoRA to steer: train embeddings and head in full
+        modules_to_save=["embed_tokens", "lm_head"] if choice.tiny else None,
+    )
+    model.print_trainable_parameters()
+    """),
+    md("""
+    ## The data, in the model's chat template
+
+    Rows are conversations. nbkit's notebooks use TRL's *conversational prompt-completion* format (`prompt`: the
+    turns before the answer, `completion`: the assistant's answer), so the loss covers the answer only, whatever the
+    chat template. The cell prints one example as the model will read it.
+    """),
+    code("""
+    from datasets import load_dataset
+
+    from nbkit.demo.data import demo_pairs
+
+    if own_data:
+        train_dataset = to_prompt_completion(load_dataset("json", data_files=str(own_data), split="train"))
+    else:
+        train_dataset = demo_chat_dataset(train_examples, split="train", seed=seed)
+    print(train_dataset)
+    example = train_dataset[0]
+    print("prompt:    ", example["prompt"])
+    print("completion:", example["completion"])
+    print("--- what the model reads (its chat template) ---")
+    print(tokenizer.apply_chat_template(example["prompt"] + example["completion"], tokenize=False))
+    """),
+    md("""
+    ### Your own data
+
+    One JSON object per line with a `messages` list of `{"role", "content"}` turns (system, user, assistant); the
+    last turn is the answer to learn. The cell writes two such rows and loads them exactly as `own_data` would be.
+    Other column names? Map them to `messages` first, e.g. for `instruction` / `output` columns:
+
+    ```python
+    ds = ds.map(lambda r: {"messages": [{"role": "user", "content": r["instruction"]},
+                                        {"role": "assistant", "content": r["output"]}]})
+    ```
+
+    Then set `own_data = "my_chats.jsonl"` in the parameters and run all again.
+    """),
+    code("""
+    my_file = out / "my_chats.jsonl"
+    rows = [
+        {"messages": [{"role": "system", "content": "Answer in one word."},
+                      {"role": "user", "content": "What is the capital of France?"},
+                      {"role": "assistant", "content": "Paris"}]},
+        {"messages": [{"role": "system", "content": "Answer in one word."},
+                      {"role": "user", "content": "What colour is the sky on a clear day?"},
+                      {"role": "assistant", "content": "Blue"}]},
+    ]
+    my_file.write_text("".join(json.dumps(row) + "\\n" for row in rows))
+    mine = to_prompt_completion(load_dataset("json", data_files=str(my_file), split="train"))
+    print(mine)
+    print(tokenizer.apply_chat_template(mine[0]["prompt"] + mine[0]["completion"], tokenize=False))
+    """),
+    md("## Before training: answers on held-out prompts"),
+    code("""
+    eval_pairs = demo_pairs(eval_examples, split="eval", seed=seed)
+    questions = [q for q, _ in eval_pairs]
+    references = [a for _, a in eval_pairs]
+    before = answers(model, tokenizer, questions)
+    results["loss_before"] = sequence_loss(model, tokenizer, eval_pairs)
+    results["exact_match_before"] = exact_match(before, references)
+    print(f"exact match before training: {results['exact_match_before']:.0%}, "
+          f"held-out loss {results['loss_before']:.3f}")
+    """),
+    md("""
+    ## Train with FastSFT and the live dashboard
+
+    `FastSFT` takes `SFTTrainer`'s arguments. In a notebook it shows `nbkit.LiveDashboard` by itself (one panel
+    updated in place: progress, tokens/s, loss, learning rate, VRAM, RAM), which becomes a static summary at the end.
+    """),
+    code("""
+    config = FastSFTConfig(
+        output_dir=str(out / "trainer"),
+        max_steps=max_steps,
+        per_device_train_batch_size=batch_size,
+        learning_rate=lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, max_steps // 20),
+        weight_decay=0.0,
+        packing=True,
+        max_length=max_length,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        bf16=compute_dtype == torch.bfloat16,
+        fp16=compute_dtype == torch.float16,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=seed,
+        live_dashboard="auto",  # on in a notebook
+    )
+    trainer = FastSFT(model=model, args=config, train_dataset=train_dataset, processing_class=tokenizer)
+    keep_trainable_fp32(trainer)
+    probe = RunProbe()
+    trainer.add_callback(probe)
+    trainer.train()
+    """),
+    code("""
+    from nbkit.dashboard import LiveDashboard
+
+    dashboard = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, LiveDashboard)), None)
+    summary = dashboard.summary if dashboard is not None else None
+    results.update(
+        steps=trainer.state.global_step,
+        loss_first=probe.losses[0],
+        loss_last=probe.losses[-1],
+        tokens=probe.tokens,
+        tokens_per_second=probe.tokens_per_second,
+        peak_vram=probe.peak_memory,
+        nbkit_attached=trainer.nbkit_attached,
+        dashboard_mode=dashboard.active_mode if dashboard is not None else None,
+        dashboard_tokens_per_second_mean=summary.tokens_per_s_mean if summary is not None else None,
+    )
+    md_table(["", ""], [
+        ["steps", results["steps"]],
+        ["loss", f"{results['loss_first']:.3f} -> {results['loss_last']:.3f}"],
+        ["tokens/s (after the first step)", f"{results['tokens_per_second']:,.0f}"],
+        ["peak VRAM", fmt_bytes(results["peak_vram"])],
+        ["nbkit speedups used", ", ".join(results["nbkit_attached"]) or "none"],
+    ])
+    """),
+    md("## After training: the same prompts"),
+    code("""
+    after = answers(model, tokenizer, questions)
+    results["exact_match_after"] = exact_match(after, references)
+    results["loss_trained"] = sequence_loss(model, tokenizer, eval_pairs)
+    print(f"exact match: {results['exact_match_before']:.0%} -> {results['exact_match_after']:.0%}; "
+          f"held-out loss {results['loss_before']:.3f} -> {results['loss_trained']:.3f}")
+    md_table(["question", "expected", "before", "after"],
+             [[q, r, b, a] for q, r, b, a in list(zip(questions, references, before, after))[:8]])
+    """),
+    md("## Save the adapter, reload it, check it"),
+    code("""
+    adapter_dir = out / "adapter"
+    trainer.save_model(str(adapter_dir))  # the LoRA weights (and tokenizer), not the base model
+    results["adapter_files"] = sorted(p.name for p in adapter_dir.iterdir())
+    print(adapter_dir, results["adapter_files"])
+    """),
+    code("""
+    # Reload as you would for inference: the same (4-bit) base, then the adapter on top. Same model, same numbers.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    from nbkit.loading import keep_4bit_trainable
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=compute_dtype) if load_in_4bit else None
+    base = AutoModelForCausalLM.from_pretrained(choice.path, quantization_config=quantization, dtype=compute_dtype,
+                                                device_map=device_map)
+    # on a CPU, compare with the kernels the trained model used (bitsandbytes' CPU inference layout rounds in bf16)
+    keep_4bit_trainable(base)
+    reloaded = PeftModel.from_pretrained(base, str(adapter_dir))
+    results["loss_reloaded"] = sequence_loss(reloaded, tokenizer, eval_pairs)
+    tolerance = 1e-4 if compute_dtype == torch.float32 else 1e-2
+    gap = abs(results["loss_reloaded"] - results["loss_trained"]) / results["loss_trained"]
+    print(f"held-out loss: trained {results['loss_trained']:.5f}, reloaded adapter {results['loss_reloaded']:.5f} "
+          f"(relative gap {gap:.1e}, tolerance {tolerance:.0e})")
+    assert gap <= tolerance, "the reloaded adapter is not the trained one"
+    del reloaded, base
+    """),
+    md("""
+    ## Merge into a 16-bit model
+
+    Merging into the 4-bit base would round the result back to 4 bits. Instead the base is loaded in 16-bit and the
+    adapter added to it, giving a standalone checkpoint any transformers (or vLLM, llama.cpp converter...) user can
+    load. It differs from the 4-bit model you trained by the base's quantization error, so the check is that it
+    keeps what training taught it.
+    """),
+    code("""
+    merge_dtype = torch.float16 if compute_dtype == torch.float16 else torch.bfloat16
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    base16 = AutoModelForCausalLM.from_pretrained(choice.path, dtype=merge_dtype, device_map=device_map)
+    merged = PeftModel.from_pretrained(base16, str(adapter_dir)).merge_and_unload()
+    merged_dir = out / "merged-16bit"
+    merged.save_pretrained(str(merged_dir))
+    tokenizer.save_pretrained(str(merged_dir))
+    del merged, base16
+    gc.collect()
+    print(merged_dir, sorted(p.name for p in merged_dir.iterdir()))
+    """),
+    code("""
+    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=merge_dtype, device_map=device_map)
+    merged_tokenizer = AutoTokenizer.from_pretrained(str(merged_dir))
+    results["merged_dtype"] = str(merged.dtype).replace("torch.", "")
+    results["loss_merged"] = sequence_loss(merged, merged_tokenizer, eval_pairs)
+    merged_answers = answers(merged, merged_tokenizer, questions)
+    results["exact_match_merged"] = exact_match(merged_answers, references)
+    results["merged_agrees_with_adapter"] = exact_match(merged_answers, after)
+    print(f"merged {results['merged_dtype']} model: held-out loss {results['loss_merged']:.3f} "
+          f"(before training {results['loss_before']:.3f}, trained 4-bit {results['loss_trained']:.3f}); "
+          f"exact match {results['exact_match_merged']:.0%}; same answer as the adapter on "
+          f"{results['merged_agrees_with_adapter']:.0%} of prompts")
+    assert results["loss_merged"] < results["loss_before"], "the merged model lost what training taught it"
+    """),
+    md("## Summary"),
+    code("""
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    md_table(["", ""], [
+        ["model", choice.describe()],
+        ["loss (training)", f"{results['loss_first']:.3f} -> {results['loss_last']:.3f}"],
+        ["tokens/s", f"{results['tokens_per_second']:,.0f}"],
+        ["peak VRAM", fmt_bytes(results["peak_vram"])],
+        ["exact match", f"{results['exact_match_before']:.0%} -> {results['exact_match_after']:.0%} "
+                        f"(merged: {results['exact_match_merged']:.0%})"],
+        ["adapter", str(adapter_dir)],
+        ["merged 16-bit model", str(merged_dir)],
+        ["all numbers", str(out / "results.json")],
+    ])
+    """),
+]
+
+# ---------------------------------------------------------------------------------------------------------------
+# 02: speed lab
+
+NB02 = [
+    md("""
+    # Speed lab: every nbkit switch on and off, next to plain TRL
+
+    The same short run (same model, data, seed and hyper-parameters) with TRL's plain `SFTTrainer`, with
+    `nbkit.FastSFT` as it comes, and with `FastSFT` with one switch of `FastSFTConfig` flipped at a time. For each:
+    tokens/s (TRL's token count, first step left out) and peak VRAM as bars, and the loss curves overlaid. The
+    switches change speed and memory only, so the loss curves should lie on top of each other.
+
+    On a CPU the tiny model's numbers measure Python and framework overhead, not GPU kernels: read the speed bars on
+    a GPU. The loss overlay means the same everywhere.
+    """),
+    intro_setup_md(),
+    params("""
+    # Parameters
+    model_name = "auto"  # "auto": Qwen/Qwen3-1.7B on a GPU, a tiny local qwen3 without one; "tiny"; a Hub id; a folder
+    load_in_4bit = True
+    lora_r = 16
+    max_steps = 30
+    max_length = 1024
+    batch_size = 4
+    learning_rate = None  # None: 2e-4 for a pretrained model, 3e-3 for the tiny random-init one
+    train_examples = 4000
+    variants = None  # None: all that apply; or a list of names from the table printed below
+    """, "02_speed_lab"),
+    SETUP,
+    code("""
+    import gc
+    import json
+    import math
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoConfig
+    from trl import SFTConfig, SFTTrainer
+
+    import nbkit
+    from nbkit import FastSFT, FastSFTConfig, load_model
+    from nbkit.dashboard import attach_dashboard
+    from nbkit.loading import pick_compute_dtype
+    from nbkit.notebook import RunProbe, demo_chat_dataset, fmt_bytes, keep_trainable_fp32, md_table, pick_model
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    compute_dtype = pick_compute_dtype()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA GPU"
+    choice = pick_model(model_name, gpu_default="Qwen/Qwen3-1.7B", tiny_family="qwen3", folder=out / "tiny-base",
+                        seed=seed)
+    lr = learning_rate if learning_rate is not None else (3e-3 if choice.tiny else 2e-4)
+    model_config = AutoConfig.from_pretrained(choice.path)
+    is_moe = any(getattr(model_config.get_text_config(), key, None) for key in ("num_experts", "num_local_experts"))
+    print(f"nbkit {nbkit.__version__}, torch {torch.__version__}, {gpu}, compute dtype {compute_dtype}")
+    print("model:", choice.describe(), "(MoE)" if is_moe else "(dense)")
+
+    # name -> FastSFTConfig overrides (None: TRL's plain SFTTrainer). One switch flipped from its default per row.
+    ALL_VARIANTS = {
+        "SFTTrainer (plain TRL)": None,
+        "FastSFT (defaults)": {},
+        "cached_packing=False": {"cached_packing": False},
+        "offload_checkpointing=True": {"offload_checkpointing": True},  # default "auto": on only where it pays
+        "offload_double_buffer=False": {"offload_checkpointing": True, "offload_double_buffer": False},
+        "fast_moe_routing=False": {"fast_moe_routing": False},
+        "live_dashboard=False": {"live_dashboard": False},
+    }
+    if not is_moe:
+        del ALL_VARIANTS["fast_moe_routing=False"]  # nothing to route in a dense model
+        print("fast_moe_routing is left out: this model has no experts (see 04_moe_finetune)")
+    chosen = variants if variants is not None else list(ALL_VARIANTS)
+    unknown = [name for name in chosen if name not in ALL_VARIANTS]
+    assert not unknown, f"unknown variants {unknown}; choose from {list(ALL_VARIANTS)}"
+    print("variants:", chosen)
+    """),
+    code("""
+    train_dataset = demo_chat_dataset(train_examples, split="train", seed=seed)
+    common = dict(
+        max_steps=max_steps,
+        per_device_train_batch_size=batch_size,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        packing=True,
+        max_length=max_length,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        bf16=compute_dtype == torch.bfloat16,
+        fp16=compute_dtype == torch.float16,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=seed,
+    )
+
+
+    def run_variant(name, overrides):
+        \"\"\"Load the model afresh (same seed: same LoRA init), train, measure, free.\"\"\"
+        torch.manual_seed(seed)
+        model, tokenizer = load_model(choice.path, load_in_4bit=load_in_4bit, lora_r=lora_r, max_seq_length=max_length,
+                                      modules_to_save=["embed_tokens", "lm_head"] if choice.tiny else None)
+        output = str(out / "runs" / name.replace(" ", "_").replace("=", "-"))
+        if overrides is None:
+            trainer = SFTTrainer(model=model, args=SFTConfig(output_dir=output, **common),
+                                 train_dataset=train_dataset, processing_class=tokenizer)
+            attach_dashboard(trainer)  # the same panel FastSFT shows, so only the speedups differ
+        else:
+            trainer = FastSFT(model=model, args=FastSFTConfig(output_dir=output, **common, **overrides),
+                              train_dataset=train_dataset, processing_class=tokenizer)
+        keep_trainable_fp32(trainer)
+        probe = RunProbe()
+        trainer.add_callback(probe)
+        trainer.train()
+        row = {"name": name, "tokens_per_second": probe.tokens_per_second, "peak_vram": probe.peak_memory,
+               "losses": probe.losses, "nbkit_attached": list(getattr(trainer, "nbkit_attached", []))}
+        del trainer, model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return row
+    """),
+    md("## The runs"),
+    code("""
+    rows = []
+    for name in chosen:
+        print(f"=== {name}")
+        rows.append(run_variant(name, ALL_VARIANTS[name]))
+        print(f"    {rows[-1]['tokens_per_second']:,.0f} tokens/s, peak VRAM {fmt_bytes(rows[-1]['peak_vram'])}, "
+              f"nbkit: {', '.join(rows[-1]['nbkit_attached']) or '-'}")
+    """),
+    md("## Results"),
+    code("""
+    reference = rows[0]  # the first variant (plain TRL unless `variants` says otherwise)
+    tolerance = 1e-3 if compute_dtype == torch.float32 else 5e-2  # fp32: same sums in another order; 16-bit: rounding
+
+
+    def loss_gap(row):
+        pairs = list(zip(row["losses"], reference["losses"]))
+        return max((abs(a - b) / abs(b) for a, b in pairs), default=math.nan)
+
+
+    for row in rows:
+        row["max_relative_loss_gap"] = loss_gap(row)
+        row["speedup"] = row["tokens_per_second"] / reference["tokens_per_second"]
+    coincide = all(row["max_relative_loss_gap"] <= tolerance for row in rows)
+    print(f"loss curves coincide with {reference['name']!r} within {tolerance:.0e} relative: {coincide}")
+    summary = {"reference": reference["name"], "tolerance": tolerance, "losses_coincide": coincide,
+               "cuda": torch.cuda.is_available(), "model": choice.path, "rows": rows}
+    (out / "results.json").write_text(json.dumps(summary, indent=2))
+    md_table(["variant", "tokens/s", "vs reference", "peak VRAM", "final loss", "max loss gap", "nbkit speedups used"],
+             [[r["name"], f"{r['tokens_per_second']:,.0f}", f"{r['speedup']:.2f}x", fmt_bytes(r["peak_vram"]),
+               f"{r['losses'][-1]:.4f}", f"{r['max_relative_loss_gap']:.1e}", ", ".join(r["nbkit_attached"]) or "-"]
+              for r in rows])
+    """),
+    code("""
+    import matplotlib.pyplot as plt
+
+    names = [r["name"] for r in rows]
+    fig, (ax_speed, ax_mem, ax_loss) = plt.subplots(1, 3, figsize=(17, 4.8))
+    ax_speed.barh(names, [r["tokens_per_second"] for r in rows], color="#1f77b4")
+    ax_speed.set_xlabel("tokens/s (higher is better)")
+    ax_speed.invert_yaxis()
+    if all(r["peak_vram"] is not None for r in rows):
+        ax_mem.barh(names, [r["peak_vram"] / 2**30 for r in rows], color="#ff7f0e")
+        ax_mem.set_xlabel("peak VRAM, GiB (lower is better)")
+        ax_mem.invert_yaxis()
+    else:
+        ax_mem.set_axis_off()
+        ax_mem.text(0.5, 0.5, "no CUDA GPU:\\npeak VRAM not measured", ha="center", va="center", fontsize=12)
+    styles = ["-", "--", ":", "-."]
+    for i, r in enumerate(rows):
+        width = 2.5 - 1.5 * i / max(1, len(rows) - 1)  # thinner on top, so that coinciding curves stay visible
+        ax_loss.plot(range(1, len(r["losses"]) + 1), r["losses"], styles[i % 4], lw=width, label=r["name"])
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("training loss")
+    ax_loss.legend(fontsize=8)
+    ax_loss.set_title("loss curves (should coincide)")
+    model_label = f"tiny {choice.family} (random init)" if choice.tiny else choice.path
+    fig.suptitle(f"{model_label} | {gpu} | {max_steps} steps x {batch_size} rows x {max_length} tokens")
+    fig.tight_layout()
+    fig.savefig(out / "speed_lab.png", dpi=100)
+    plt.show()
+    """),
+]
+
+# ---------------------------------------------------------------------------------------------------------------
+# 03: long context
+
+NB03 = [
+    md("""
+    # Long context: how long a sequence fits, with and without offloaded checkpointing
+
+    With gradient checkpointing, what a long sequence leaves on the GPU is one saved input per layer
+    (`tokens x hidden` values each). `FastSFTConfig(offload_checkpointing=True)` keeps those in CPU memory and copies
+    them back, double-buffered, just before each layer recomputes. This notebook trains one step at growing lengths
+    (doubling, then bisecting between the longest fit and the first out-of-memory) with it off and on, and reports
+    the longest length that fits, peak VRAM and step time, and checks that both modes give the same loss and the
+    same gradient norm (offloading acts on the backward pass: the gradient is what it could get wrong).
+
+    On a CPU there is no VRAM to run out of: the search stops at its limit, and what the CPU run shows is that the
+    offload path runs and leaves the loss unchanged. Run it on a GPU for the real answer.
+    """),
+    intro_setup_md(),
+    params("""
+    # Parameters
+    model_name = "auto"  # "auto": Qwen/Qwen3-1.7B on a GPU, a tiny local qwen3 without one; "tiny"; a Hub id; a folder
+    load_in_4bit = True
+    lora_r = 16
+    start_length = 4096  # first length tried; doubled while it fits
+    max_try_length = 262144  # the search limit
+    refine_steps = 2  # bisections between the longest fit and the first out-of-memory
+    steps_per_try = 2  # the second step runs with the optimizer state allocated, as in a real run
+    """, "03_long_context"),
+    SETUP,
+    md("## Is offloaded checkpointing there?"),
+    code("""
+    import gc
+    import json
+    from pathlib import Path
+
+    import torch
+
+    import nbkit
+    from nbkit import FastSFT, FastSFTConfig, load_model
+    from nbkit.loading import pick_compute_dtype
+    from nbkit.notebook import RunProbe, feature, fmt_bytes, keep_trainable_fp32, md_table, pick_model
+
+    missing = []
+    ok, message = feature("nbkit.offload", "OffloadedCheckpointing")
+    if not ok:
+        missing.append(message)
+    if "offload_checkpointing" not in FastSFTConfig.__dataclass_fields__:
+        missing.append("FastSFTConfig has no offload_checkpointing switch")
+    offload_available = not missing
+    if offload_available:
+        print("offloaded checkpointing: available (nbkit.offload.OffloadedCheckpointing, "
+              "FastSFTConfig.offload_checkpointing)")
+    else:
+        print("offloaded checkpointing is NOT available in this nbkit, so only the plain path is measured. Missing:")
+        for item in missing:
+            print("  -", item)
+    """),
+    code("""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    compute_dtype = pick_compute_dtype()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA GPU"
+    choice = pick_model(model_name, gpu_default="Qwen/Qwen3-1.7B", tiny_family="qwen3", folder=out / "tiny-base",
+                        seed=seed)
+    print(f"nbkit {nbkit.__version__}, torch {torch.__version__}, {gpu}, compute dtype {compute_dtype}")
+    print("model:", choice.describe())
+    torch.manual_seed(seed)
+    model, tokenizer = load_model(choice.path, load_in_4bit=load_in_4bit, lora_r=lora_r, gradient_checkpointing=True)
+    text_config = model.config.get_text_config()
+    layers, hidden, vocab = text_config.num_hidden_layers, text_config.hidden_size, text_config.vocab_size
+    """),
+    md("""
+    ### What a token costs
+
+    Arithmetic, not a measurement: the checkpointed layer inputs are what offloading moves off the GPU. The logits
+    (in fp32 inside the loss, and their gradient) stay, and with a large vocabulary they can cost more per token than
+    all the checkpoints together; that bounds what offloading alone can gain.
+    """),
+    code("""
+    element = torch.tensor([], dtype=compute_dtype).element_size()
+    per_token_checkpoints = layers * hidden * element
+    per_token_logits = vocab * (element + 4 + 4)  # logits, their fp32 copy in the loss, its gradient
+    md_table(["per token", "bytes", "at 32k tokens"], [
+        [f"checkpointed layer inputs ({layers} layers x {hidden} x {element} B)", f"{per_token_checkpoints:,}",
+         fmt_bytes(per_token_checkpoints * 32768)],
+        [f"logits and their gradient ({vocab:,} vocabulary)", f"{per_token_logits:,}",
+         fmt_bytes(per_token_logits * 32768)],
+    ])
+    """),
+    md("## One training step per length"),
+    code("""
+    from datasets import Dataset
+    from transformers.trainer_callback import PrinterCallback
+
+    from nbkit.demo.data import make_dataset
+
+    texts = make_dataset("text", n=4000, split="train", seed=seed)["text"]
+    stream = [token for ids in tokenizer([t + "\\n\\n" for t in texts], add_special_tokens=False)["input_ids"]
+              for token in ids]
+    print(f"token stream: {len(stream):,} tokens, repeated as needed")
+
+
+    def tokens(length):
+        return (stream * (length // len(stream) + 1))[:length]
+
+
+    def try_length(length, offload):
+        \"\"\"Train `steps_per_try` steps on one sequence of `length` tokens. Learning rate 0: every try starts from the
+        same weights, so both modes' losses and gradient norms can be compared.\"\"\"
+        config = FastSFTConfig(
+            output_dir=str(out / "trainer"), max_steps=steps_per_try, per_device_train_batch_size=1,
+            learning_rate=0.0, max_length=length, packing=False, gradient_checkpointing=True,
+            gradient_checkpointing_kwargs={"use_reentrant": False}, bf16=compute_dtype == torch.bfloat16,
+            fp16=compute_dtype == torch.float16, logging_steps=1, save_strategy="no", report_to="none",
+            disable_tqdm=True, live_dashboard=False, seed=seed,
+            offload_checkpointing=offload,
+        )
+        trainer = FastSFT(model=model, args=config, train_dataset=Dataset.from_dict({"input_ids": [tokens(length)]}),
+                          processing_class=tokenizer)
+        trainer.remove_callback(PrinterCallback)
+        keep_trainable_fp32(trainer)
+        probe = RunProbe()
+        trainer.add_callback(probe)
+        try:
+            trainer.train()
+            row = {"fits": True, "peak_vram": probe.peak_memory, "loss": probe.losses[-1],
+                   "grad_norm": probe.grad_norms[-1], "seconds_per_step": probe.seconds_per_step,
+                   "nbkit_attached": list(trainer.nbkit_attached)}
+        except torch.OutOfMemoryError as error:  # FastSFT's TrainingOutOfMemoryError is one
+            row = {"fits": False, "error": str(error).strip().splitlines()[0][:300]}
+        del trainer
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return row
+
+
+    def search(offload):
+        \"\"\"Double from start_length while it fits, then bisect towards the first out-of-memory.\"\"\"
+        tried, fit, oom, length = {}, None, None, start_length
+        while length <= max_try_length:
+            tried[length] = try_length(length, offload)
+            print(f"  offload={offload!s:5} {length:>7,} tokens: "
+                  + ("fits" if tried[length]["fits"] else "out of memory"), flush=True)
+            if not tried[length]["fits"]:
+                oom = length
+                break
+            fit, length = length, length * 2
+        for _ in range(refine_steps if fit and oom else 0):
+            middle = (fit + oom) // 2 // 256 * 256
+            if middle in (fit, oom):
+                break
+            tried[middle] = try_length(middle, offload)
+            print(f"  offload={offload!s:5} {middle:>7,} tokens: "
+                  + ("fits" if tried[middle]["fits"] else "out of memory"))
+            fit, oom = (middle, oom) if tried[middle]["fits"] else (fit, middle)
+        return {"longest_fit": fit, "first_oom": oom, "tried": tried}
+    """),
+    code("""
+    modes = [False, True] if offload_available else [False]
+    found = {}
+    for offload in modes:
+        print(f"offload_checkpointing={offload}:")
+        found[offload] = search(offload)
+    if offload_available:
+        attached = [row.get("nbkit_attached", []) for row in found[True]["tried"].values() if row["fits"]]
+        offload_attached = bool(attached) and all("offload_checkpointing" in names for names in attached)
+        if not offload_attached:
+            print("NOTE: FastSFT did not attach offloaded checkpointing in every run (its log line above says why): "
+                  "the offload=True column below is then the plain path.")
+    else:
+        offload_attached = False
+    """),
+    md("## Results"),
+    code("""
+    lengths = sorted(set().union(*(found[m]["tried"] for m in modes)))
+
+
+    def cell(mode, length, key):
+        row = found[mode]["tried"].get(length)
+        if row is None:
+            return ""
+        if not row["fits"]:
+            return "OOM"
+        if key == "peak_vram":
+            return fmt_bytes(row["peak_vram"]) if row["peak_vram"] is not None else "fits"
+        return f"{row[key]:.2f} s"
+
+
+    def gap(length):
+        \"\"\"The larger relative difference of loss and gradient norm between the two modes at `length`.\"\"\"
+        a, b = found[False]["tried"].get(length), found.get(True, {"tried": {}})["tried"].get(length)
+        if not (a and b and a["fits"] and b["fits"]):
+            return None
+        return max(abs(a[k] - b[k]) / abs(a[k]) for k in ("loss", "grad_norm"))
+
+
+    headers = ["tokens", "peak VRAM, plain", "s/step, plain"]
+    if offload_available:
+        headers += ["peak VRAM, offload", "s/step, offload", "loss & grad-norm gap"]
+    table = []
+    for length in lengths:
+        line = [f"{length:,}", cell(False, length, "peak_vram"), cell(False, length, "seconds_per_step")]
+        if offload_available:
+            g = gap(length)
+            line += [cell(True, length, "peak_vram"), cell(True, length, "seconds_per_step"),
+                     "" if g is None else f"{g:.1e}"]
+        table.append(line)
+
+    gaps = [g for g in map(gap, lengths) if g is not None] if offload_available else []
+    tolerance = 1e-4 if compute_dtype == torch.float32 else 2e-2
+    results = {
+        "cuda": torch.cuda.is_available(), "model": choice.path, "offload_available": offload_available,
+        "missing": missing, "offload_attached": offload_attached,
+        "longest_fit": {str(m): found[m]["longest_fit"] for m in modes},
+        "first_oom": {str(m): found[m]["first_oom"] for m in modes},
+        "tried": {str(m): {str(k): v for k, v in found[m]["tried"].items()} for m in modes},
+        "max_relative_gap": max(gaps) if gaps else None, "tolerance": tolerance,
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    for m in modes:
+        fit, oom = found[m]["longest_fit"], found[m]["first_oom"]
+        limit = f"out of memory at {oom:,}" if oom else f"the search limit ({max_try_length:,}) reached, no OOM"
+        print(f"offload_checkpointing={m}: longest that fits {fit or 0:,} tokens ({limit})")
+    if gaps:
+        print(f"same loss and gradient norm with and without offload: {max(gaps) <= tolerance} "
+              f"(max relative gap {max(gaps):.1e}, tolerance {tolerance:.0e})")
+    if not torch.cuda.is_available():
+        print("CPU run: no VRAM limit to find; run on a GPU for the lengths that fit.")
+    md_table(headers, table)
+    """),
+    code("""
+    if torch.cuda.is_available():
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for m in modes:
+            points = sorted((k, v["peak_vram"] / 2**30) for k, v in found[m]["tried"].items() if v["fits"])
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=f"offload_checkpointing={m}")
+        ax.axhline(torch.cuda.get_device_properties(0).total_memory / 2**30, color="gray", ls=":", label="GPU memory")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel("peak VRAM (GiB)")
+        ax.legend()
+        fig.savefig(out / "long_context.png", dpi=100)
+        plt.show()
+    else:
+        print("no CUDA GPU: no VRAM chart")
+    """),
+]
+
+# ---------------------------------------------------------------------------------------------------------------
+# 04: MoE fine-tune
+
+NB04 = [
+    md("""
+    # Fine-tune a mixture-of-experts model
+
+    QLoRA on an MoE model: Qwen3-30B-A3B (128 experts, 8 per token) or gpt-oss-20b on a GPU, a tiny
+    `qwen3_moe` (4 experts, 2 per token) on a CPU. PEFT's `all-linear` LoRA reaches the attention projections, the
+    router and the fused expert weights; `FastSFTConfig(fast_moe_routing=True)` (the default) runs the experts through
+    nbkit's routing (one sort by expert, contiguous slices or one grouped matmul, LoRA on experts as low-rank
+    products). The notebook trains with it, checks the result, then trains again with it off to compare speed and loss.
+
+    Memory: bitsandbytes quantizes linear layers only; fused 3-D expert weights stay in 16-bit. Qwen3-30B-A3B then
+    needs about 65 GB of GPU memory (an 80 GB A100/H100 or an H200), gpt-oss-20b about 45 GB. For gpt-oss-20b set
+    `load_in_4bit=False`: its experts ship in MXFP4, which transformers dequantizes to bf16 for training.
+    """),
+    intro_setup_md(),
+    params("""
+    # Parameters
+    model_name = "auto"  # "auto": Qwen/Qwen3-30B-A3B on a GPU, a tiny local qwen3_moe without one; "openai/gpt-oss-20b"
+    tiny_family = "qwen3_moe"  # the tiny model's architecture: qwen3_moe, mixtral or gpt_oss
+    load_in_4bit = True
+    lora_r = 16
+    max_steps = 60
+    max_length = 1024
+    batch_size = 2
+    learning_rate = None  # None: 1e-4 for a pretrained model, 3e-3 for the tiny random-init one
+    train_examples = 2000
+    eval_examples = 16
+    compare_plain_routing = True  # train again with fast_moe_routing=False (a second load) to compare
+    """, "04_moe_finetune"),
+    SETUP,
+    md("## Is nbkit's MoE routing there?"),
+    code("""
+    import gc
+    import json
+    from pathlib import Path
+
+    import torch
+
+    import nbkit
+    from nbkit import FastSFT, FastSFTConfig, load_model
+    from nbkit.demo.data import demo_pairs
+    from nbkit.loading import pick_compute_dtype
+    from nbkit.notebook import (RunProbe, answers, demo_chat_dataset, exact_match, feature, fmt_bytes,
+                                keep_trainable_fp32, md_table, pick_model, sequence_loss)
+
+    missing = []
+    ok, message = feature("nbkit.moe", "FastMoERouting")
+    if not ok:
+        missing.append(message)
+    if "fast_moe_routing" not in FastSFTConfig.__dataclass_fields__:
+        missing.append("FastSFTConfig has no fast_moe_routing switch")
+    routing_available = not missing
+    if routing_available:
+        print("fast MoE routing: available (nbkit.moe.FastMoERouting, FastSFTConfig.fast_moe_routing)")
+    else:
+        print("nbkit's MoE routing is NOT available in this nbkit: the model trains on transformers' experts path. "
+              "Missing:")
+        for item in missing:
+            print("  -", item)
+    """),
+    md("## The model"),
+    code("""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    compute_dtype = pick_compute_dtype()
+    device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA GPU"
+    choice = pick_model(model_name, gpu_default="Qwen/Qwen3-30B-A3B", tiny_family=tiny_family,
+                        folder=out / "tiny-base", seed=seed)
+    lr = learning_rate if learning_rate is not None else (3e-3 if choice.tiny else 1e-4)
+    print(f"nbkit {nbkit.__version__}, torch {torch.__version__}, {gpu}, compute dtype {compute_dtype}")
+    print("model:", choice.describe())
+
+
+    def load():
+        torch.manual_seed(seed)
+        return load_model(choice.path, load_in_4bit=load_in_4bit, lora_r=lora_r, max_seq_length=max_length,
+                          modules_to_save=["embed_tokens", "lm_head"] if choice.tiny else None)
+
+
+    model, tokenizer = load()
+    model.print_trainable_parameters()
+    text_config = model.config.get_text_config()
+    experts = getattr(text_config, "num_experts", None) or getattr(text_config, "num_local_experts", None)
+    lora_on_experts = any(".experts." in name and "lora_" in name for name, _ in model.named_parameters())
+    print(f"{experts} experts, {text_config.num_experts_per_tok} per token; LoRA on expert weights: "
+          f"{'yes' if lora_on_experts else 'no'}")
+    results = {"model": choice.path, "tiny": choice.tiny, "experts": experts, "routing_available": routing_available,
+               "missing": missing, "lora_on_experts": lora_on_experts}
+    """),
+    md("## Data and answers before training"),
+    code("""
+    train_dataset = demo_chat_dataset(train_examples, split="train", seed=seed)
+    eval_pairs = demo_pairs(eval_examples, split="eval", seed=seed)
+    questions = [q for q, _ in eval_pairs]
+    references = [a for _, a in eval_pairs]
+    before = answers(model, tokenizer, questions)
+    results["loss_before"] = sequence_loss(model, tokenizer, eval_pairs)
+    results["exact_match_before"] = exact_match(before, references)
+    print(f"exact match before: {results['exact_match_before']:.0%}, held-out loss {results['loss_before']:.3f}")
+    """),
+    md("## Train with FastSFT (fast MoE routing on)"),
+    code("""
+    def config(**switches):
+        return FastSFTConfig(
+            output_dir=str(out / "trainer"), max_steps=max_steps, per_device_train_batch_size=batch_size,
+            learning_rate=lr, lr_scheduler_type="constant", weight_decay=0.0, packing=True, max_length=max_length,
+            gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
+            bf16=compute_dtype == torch.bfloat16, fp16=compute_dtype == torch.float16, logging_steps=1,
+            save_strategy="no", report_to="none", seed=seed, **switches,
+        )
+
+
+    trainer = FastSFT(model=model, args=config(fast_moe_routing=True), train_dataset=train_dataset,
+                      processing_class=tokenizer)
+    keep_trainable_fp32(trainer)
+    probe = RunProbe()
+    trainer.add_callback(probe)
+    trainer.train()
+    routing_used = any(name.startswith("fast_moe_routing") for name in trainer.nbkit_attached)
+    results.update(loss_first=probe.losses[0], loss_last=probe.losses[-1], losses=probe.losses,
+                   tokens_per_second=probe.tokens_per_second, peak_vram=probe.peak_memory,
+                   nbkit_attached=trainer.nbkit_attached, routing_used=routing_used)
+    print("nbkit speedups used:", ", ".join(trainer.nbkit_attached) or "none")
+    if routing_available and not routing_used:
+        print("NOTE: fast_moe_routing did not attach to this model; its log line above says why. The experts ran on "
+              "transformers' path.")
+    """),
+    md("## After training, save, reload"),
+    code("""
+    after = answers(model, tokenizer, questions)
+    results["exact_match_after"] = exact_match(after, references)
+    results["loss_trained"] = sequence_loss(model, tokenizer, eval_pairs)
+    print(f"exact match {results['exact_match_before']:.0%} -> {results['exact_match_after']:.0%}; "
+          f"held-out loss {results['loss_before']:.3f} -> {results['loss_trained']:.3f}")
+    md_table(["question", "expected", "before", "after"],
+             [[q, r, b, a] for q, r, b, a in list(zip(questions, references, before, after))[:6]])
+    """),
+    code("""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from nbkit.loading import keep_4bit_trainable
+
+    adapter_dir = out / "adapter"
+    trainer.save_model(str(adapter_dir))
+    results["adapter_files"] = sorted(p.name for p in adapter_dir.iterdir())
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=compute_dtype) if load_in_4bit else None
+    del trainer, model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    base = AutoModelForCausalLM.from_pretrained(choice.path, quantization_config=quantization, dtype=compute_dtype,
+                                                device_map=device_map)
+    # on a CPU, compare with the kernels the trained model used (bitsandbytes' CPU inference layout rounds in bf16)
+    keep_4bit_trainable(base)
+    reloaded = PeftModel.from_pretrained(base, str(adapter_dir))
+    results["loss_reloaded"] = sequence_loss(reloaded, tokenizer, eval_pairs)
+    tolerance = 1e-4 if compute_dtype == torch.float32 else 1e-2
+    gap = abs(results["loss_reloaded"] - results["loss_trained"]) / results["loss_trained"]
+    print(f"adapter saved to {adapter_dir}; reloaded: held-out loss {results['loss_reloaded']:.5f} vs trained "
+          f"{results['loss_trained']:.5f} (relative gap {gap:.1e}, tolerance {tolerance:.0e})")
+    assert gap <= tolerance, "the reloaded adapter is not the trained one"
+    del reloaded, base
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    """),
+    md("## The same run with fast MoE routing off"),
+    code("""
+    if compare_plain_routing and routing_available:
+        model, tokenizer = load()
+        trainer = FastSFT(model=model, args=config(fast_moe_routing=False), train_dataset=train_dataset,
+                          processing_class=tokenizer)
+        keep_trainable_fp32(trainer)
+        plain_probe = RunProbe()
+        trainer.add_callback(plain_probe)
+        trainer.train()
+        gaps = [abs(a - b) / abs(b) for a, b in zip(results["losses"], plain_probe.losses)]
+        tolerance = 1e-3 if compute_dtype == torch.float32 else 5e-2
+        results.update(plain_tokens_per_second=plain_probe.tokens_per_second, plain_peak_vram=plain_probe.peak_memory,
+                       plain_losses=plain_probe.losses, max_relative_loss_gap=max(gaps), loss_tolerance=tolerance)
+        print(f"loss curves coincide within {tolerance:.0e}: {max(gaps) <= tolerance} "
+              f"(max relative gap {max(gaps):.1e})")
+        del trainer, model
+        gc.collect()
+        display(md_table(["experts path", "tokens/s", "peak VRAM", "final loss"], [
+            ["nbkit fast_moe_routing" if routing_used else "transformers (routing did not attach)",
+             f"{results['tokens_per_second']:,.0f}", fmt_bytes(results["peak_vram"]), f"{results['loss_last']:.4f}"],
+            ["transformers (fast_moe_routing=False)", f"{plain_probe.tokens_per_second:,.0f}",
+             fmt_bytes(plain_probe.peak_memory), f"{plain_probe.losses[-1]:.4f}"],
+        ]))
+    elif not routing_available:
+        print("skipped: there is no nbkit MoE routing to compare with (see the check at the top)")
+    else:
+        print("skipped (compare_plain_routing=False)")
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    """),
+]
+
+NOTEBOOKS = {
+    "01_qlora_quickstart": NB01,
+    "02_speed_lab": NB02,
+    "03_long_context": NB03,
+    "04_moe_finetune": NB04,
+}
+
+
+def build(name: str, cells: list) -> nbformat.NotebookNode:
+    """A clean notebook: no outputs, no execution counts, no widget state; cell ids derived from the name."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata = {
+        "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+        "language_info": {"name": "python"},
+        "accelerator": "GPU",  # Colab: ask for a GPU runtime
+    }
+    for i, cell in enumerate(cells):
+        if cell[0] == "markdown":
+            new = nbformat.v4.new_markdown_cell(cell[1])
+        else:
+            new = nbformat.v4.new_code_cell(cell[1])
+            if cell[2]:
+                new.metadata["tags"] = list(cell[2])
+        new.id = f"{name[:2]}-{i:02d}"
+        nb.cells.append(new)
+    nbformat.validate(nb)
+    return nb
+
+
+def render(name: str) -> str:
+    return nbformat.writes(build(name, NOTEBOOKS[name])) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="fail if a notebook differs from this generator")
+    parser.add_argument("--out", type=Path, default=OUT_DIR, help="folder to write to (default notebooks/)")
+    args = parser.parse_args(argv)
+    stale = []
+    for name in NOTEBOOKS:
+        path = args.out / f"{name}.ipynb"
+        text = render(name)
+        if args.check:
+            if not path.is_file() or path.read_text() != text:
+                stale.append(str(path))
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            print(f"wrote {path}")
+    if stale:
+        print("out of date (run python tools/make_notebooks.py):", *stale, sep="\n  ")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
