@@ -16,8 +16,9 @@ Contract: ``validate_training_inputs`` (called by ``FastSFT`` before ``SFTTraine
 - a chat without an assistant turn under ``assistant_only_loss=True``, or a conversational completion without one
   when training on completions;
 - conversational data and a tokenizer without a chat template;
-- ``max_length`` shorter than the shortest document (every document would be cut), checked on up to
-  ``LENGTH_SAMPLE`` rows and stopping at the first document that fits, so a sound setting costs one tokenization;
+- ``max_length`` shorter than the shortest document (every document would be cut: an error), or shorter than some
+  documents (a warning naming the rows that will be cut and how to keep them), checked on up to ``LENGTH_SAMPLE``
+  rows spread over the dataset;
 - switch combinations that cannot work together (packing with a custom collator, ``completion_only_loss=True``
   without prompt/completion data, an attention kernel or offloading that could never be used).
 
@@ -27,6 +28,8 @@ its first ``ITERABLE_ROWS`` rows (it cannot be read twice for free).
 
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -35,6 +38,8 @@ LENGTH_SAMPLE = 2000
 _SLICE = 1024
 _ASSISTANT_ROLES = {"assistant", "gpt", "model"}  # "gpt": ShareGPT data (TRL converts it), "model": Gemma style
 
+
+logger = logging.getLogger(__name__)
 
 class InputError(ValueError):
     """A dataset or setting that cannot train as intended; the message names the row or the setting."""
@@ -279,18 +284,28 @@ def check_max_length(name: str, dataset: Any, fmt: DataFormat, args: Any, tokeni
     else:
         rows = _rows(dataset, list(fmt.fields), limit=LENGTH_SAMPLE)
         checked = f"the first {LENGTH_SAMPLE} rows checked"
-    shortest: tuple[int, int] | None = None
+    long_rows: list[tuple[int, int]] = []  # (row, tokens) of documents longer than max_length
+    seen = 0
     for i, row in rows:
         try:
             n = _length(row, fmt, tokenizer)
         except Exception:  # tokenization problems surface in TRL's preparation with its own message
             return
-        if n <= max_length:
-            return
-        if shortest is None or n < shortest[1]:
-            shortest = (i, n)
-    if shortest is None:
+        seen += 1
+        if n > max_length:
+            long_rows.append((i, n))
+    if not long_rows:
         return
+    if len(long_rows) < seen:
+        # Some documents fit: the setting is plausible, but say what will be cut instead of cutting silently.
+        shown = ", ".join(f"row {i} ({n} tokens)" for i, n in long_rows[:5])
+        logger.warning(
+            "nbkit: %d of %d checked rows of %s are longer than max_length=%d (%s%s) and will be cut to their first "
+            "%d tokens. Raise max_length, or with packing=True use packing_strategy='bfd_split' to keep every token.",
+            len(long_rows), seen, name, max_length, shown, ", ..." if len(long_rows) > 5 else "", max_length,
+        )
+        return
+    shortest = min(long_rows, key=lambda r: r[1])
     split = " or, with packing=True, packing_strategy='bfd_split' to split long documents instead of cutting them;"
     raise InputError(
         f"max_length={max_length} is shorter than every document of {name} (the shortest, row {shortest[0]}, has "

@@ -7,6 +7,8 @@ turns them off.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from datasets import Dataset, IterableDataset
 from trl import SFTConfig
@@ -132,6 +134,20 @@ def test_max_length_below_every_document(tokenizer):
     rows = data.to_list()
     rows[17] = {"messages": chat(("user", "hi"), ("assistant", "yo"))}  # one short row: the setting can be meant
     check(Dataset.from_list(rows), tokenizer, cfg(max_length=24))
+
+
+def test_documents_longer_than_max_length_are_named_not_cut_silently(tokenizer, caplog):
+    data = make_dataset("text", n=30)
+    rows = data.to_list()
+    rows[7] = {"text": rows[7]["text"] + " red fox" * 200}  # far beyond max_length
+    with caplog.at_level(logging.WARNING, logger="nbkit.guards"):
+        check(Dataset.from_list(rows), tokenizer, cfg(max_length=64))
+    assert "1 of 30 checked rows of train_dataset are longer than max_length=64 (row 7 (" in caplog.text
+    assert "bfd_split" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nbkit.guards"):
+        check(data, tokenizer, cfg(max_length=64))  # nothing long: nothing said
+    assert "longer than max_length" not in caplog.text
 
 
 def test_eval_dataset_is_named(tokenizer):
