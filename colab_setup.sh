@@ -52,13 +52,13 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 
-say() { printf '[nbkit-setup] %s\n' "$*"; }
+# Credentials inside a URL (https://user:token@host/...) are never printed.
+mask() { sed -E 's#(://)[^/@[:space:]]+@#\1***@#g'; }
+say() { printf '[nbkit-setup] %s\n' "$*" | mask; }
 
 # Print a command (shell-quoted, after "+ "), then run it unless --dry-run.
 run() {
-    printf '+'
-    printf ' %q' "$@"
-    printf '\n'
+    { printf '+'; printf ' %q' "$@"; printf '\n'; } | mask
     if [[ $DRY_RUN -eq 0 ]]; then
         "$@"
     fi
@@ -77,7 +77,7 @@ command -v "$PY" >/dev/null 2>&1 || { echo "colab_setup.sh: python '$PY' not fou
 case "$SOURCE" in
     pypi) NBKIT_REQ="nbkit" ;;
     git+*) NBKIT_REQ="nbkit @ $SOURCE" ;;
-    *://*) echo "colab_setup.sh: --from $SOURCE: use a git+https:// URL, a local path or a requirement" >&2; exit 2 ;;
+    *://*) echo "colab_setup.sh: --from $(printf '%s' "$SOURCE" | mask): use a git+https:// URL, a local path or a requirement" >&2; exit 2 ;;
     *)
         if [[ -d "$SOURCE" ]]; then
             [[ -f "$SOURCE/pyproject.toml" ]] || { echo "colab_setup.sh: $SOURCE has no pyproject.toml" >&2; exit 2; }

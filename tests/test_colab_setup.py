@@ -168,6 +168,16 @@ def test_dry_run_kaggle_git_source_with_flash(box):
     assert "constraints torch==2.6.0+cu126" in out
 
 
+def test_credentials_in_a_source_url_are_never_printed(box):
+    fake_dist(box.site, "torch", "2.6.0+cu126")
+    fake_gpu(box.bin, "Tesla T4, 7.5")
+    r = box.run("--dry-run", "--from", "git+https://me:ghp_S3cretTok3n@github.com/nbkit/nbkit.git@main",
+                COLAB_RELEASE_TAG="release")
+    assert r.returncode == 0, r.stderr
+    assert "ghp_S3cretTok3n" not in r.stdout + r.stderr
+    assert "git+https://***@github.com/nbkit/nbkit.git@main" in r.stdout
+
+
 def test_dry_run_plain_cpu_local_path(box, tmp_path):
     checkout = tmp_path / "nbkit-src"
     checkout.mkdir()
