@@ -47,12 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 POISONED = 30  # the dataset row whose marker token gets a NaN embedding
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -37,13 +37,7 @@ MAX_STEPS, SAVE_STEPS = 6, 2
 RTOL, ATOL = 1e-5, 1e-7
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: deterministic sums, and no OpenMP spinning on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def build(output_dir: str | os.PathLike, eval_dataset=None, **overrides) -> FastSFT:
