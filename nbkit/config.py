@@ -45,14 +45,30 @@ class FastSFTConfig(SFTConfig):
         metadata={"help": "Prefetch the next layer's input into a second GPU buffer while the current recomputes."},
     )
     offload_min_bytes: int = field(
-        default=64 * 2**20,
-        metadata={"help": "'auto' offloads only when one layer's checkpointed input is at least this large."},
+        default=16 * 2**20,
+        metadata={"help": "'auto' offloads only when one layer's checkpointed input is at least this large "
+                  "(16 MiB: 4K tokens of a 2048-wide model; its copy is ~0.3 ms and hides behind the layer)."},
     )
     fast_moe_routing: bool = field(
         default=True,
         metadata={
             "help": "Run MoE experts through nbkit's routing: one sort by expert, contiguous slices or one grouped "
             "matmul, LoRA on experts as low-rank products."
+        },
+    )
+    fused_lora: bool = field(
+        default=True,
+        metadata={
+            "help": "Run PEFT LoRA Linear layers (dense or 4-bit base) as one fused autograd function: the LoRA "
+            "product is accumulated into the base output by the GEMM, no clone/cast/scale/add passes. Layers with "
+            "DoRA, dropout > 0 or a LoRA bias keep PEFT's forward."
+        },
+    )
+    fused_kernels: AutoBool = field(
+        default="auto",
+        metadata={
+            "help": "Liger-Kernel's fused RMSNorm, SwiGLU/GeGLU and RoPE on known families (Llama, Mistral, Qwen2/3, "
+            "Qwen3-MoE, Mixtral, Gemma 1-3). 'auto': on when liger-kernel is installed and the model is on CUDA."
         },
     )
     live_dashboard: AutoBool = field(
@@ -96,7 +112,7 @@ class FastSFTConfig(SFTConfig):
         allowed = {"auto", "flash_attn", "varlen", "flex", "sdpa_loop"}
         if self.attention_kernel not in allowed:
             raise ValueError(f"attention_kernel={self.attention_kernel!r}: choose one of {sorted(allowed)}")
-        for name in ("offload_checkpointing", "live_dashboard"):
+        for name in ("offload_checkpointing", "live_dashboard", "fused_kernels"):
             value = getattr(self, name)
             if value not in (True, False, "auto"):
                 raise ValueError(f"{name}={value!r}: use True, False or 'auto'")

@@ -54,7 +54,8 @@ class FastSFT(SFTTrainer):
 
     Speedups (each a switch in ``FastSFTConfig``): cached packed-sequence metadata with varlen attention
     (``cached_packing``), offloaded double-buffered checkpointing (``offload_checkpointing``), fast MoE routing
-    (``fast_moe_routing``), and a live notebook dashboard (``live_dashboard``).
+    (``fast_moe_routing``), fused LoRA layers (``fused_lora``), Liger's fused RMSNorm/SwiGLU/RoPE kernels
+    (``fused_kernels``), and a live notebook dashboard (``live_dashboard``).
 
     Reliability (``nbkit.guards``, ``nbkit.resilience``): inputs are checked before TRL prepares them
     (``validate_inputs``); an out-of-memory step raises ``TrainingOutOfMemoryError`` naming the step, the memory and
@@ -128,6 +129,23 @@ class FastSFT(SFTTrainer):
             return None
         return FastMoERouting()
 
+    def _lora_speedup(self) -> Speedup | None:
+        if not _switch(self.args, "fused_lora"):
+            return None
+        from .lora import FusedLoRA
+
+        return FusedLoRA()
+
+    def _kernels_speedup(self) -> Speedup | None:
+        mode = _switch(self.args, "fused_kernels")
+        if mode is False:
+            return None
+        from .kernels import FusedKernels, liger_ops
+
+        if mode == "auto" and liger_ops() is None:
+            return None  # quietly: auto means "where it is available"
+        return FusedKernels()
+
     def _offload_speedup(self) -> Speedup | None:
         mode = _switch(self.args, "offload_checkpointing")
         if mode is False or not self.args.gradient_checkpointing:
@@ -152,7 +170,8 @@ class FastSFT(SFTTrainer):
         attached: list[Speedup] = []
         self._nbkit_active = True
         try:
-            for speedup in (self._packing_speedup(), self._moe_speedup()):
+            for speedup in (self._packing_speedup(), self._moe_speedup(), self._lora_speedup(),
+                            self._kernels_speedup()):
                 if speedup is not None and speedup.attach(self.model):
                     attached.append(speedup)
             self._speedups = attached

@@ -1,0 +1,340 @@
+"""End-to-end QLoRA SFT benchmark: plain TRL SFTTrainer vs FastSFT, side by side in one run, and a step profile.
+
+Workload (issue 8): a Qwen3-1.7B- or Qwen3-14B-shaped model with random weights, saved once and loaded the way a user
+loads one (``from_pretrained`` with bitsandbytes NF4, double quant, bf16 compute), LoRA r=16 (alpha 32) on all 7
+projections, ``packing=True`` with one packed row of 4K or 16K tokens per step from ~400-token documents, gradient
+checkpointing on. The base model is loaded once; each path wraps it with its own LoRA (same seed, so the same
+initial adapters) and unloads it afterwards.
+
+Paths (``--paths``, comma separated):
+- ``sft``: TRL ``SFTTrainer`` with transformers' default attention (sdpa), what a TRL user gets without flash-attn.
+- ``sft_liger``: the same with ``use_liger_kernel=True`` (TRL applies Liger's layer kernels; its own fused LM head).
+- ``fastsft``: ``FastSFT`` with its defaults.
+- ``fastsft[switch=value;...]``: FastSFT with switches changed, e.g. ``fastsft[fused_lora=False;fused_kernels=False]``.
+
+``--profile NAME`` runs ``torch.profiler`` over two steps of that path and prints kernel time by category, by
+operator and by module (forward ranges per module type; backward by autograd node), and writes the trace to $OUT.
+
+Prediction for the 1.7B / 16K workload, FastSFT vs plain ``sft``: see BENCHMARKS.md (written before the run).
+
+    python -m nbkit.bench.e2e --shape 1.7b --tokens 16384 --paths sft,fastsft
+    python -m nbkit.bench.e2e --shape 1.7b --profile fastsft
+    python -m nbkit.bench.e2e --tiny          # CPU smoke run (bf16 LoRA, no quantization)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import re
+import tempfile
+import time
+import traceback
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from nbkit.demo.tokenizer import load_demo_tokenizer
+
+from .common import StepTimer, TimedStepMixin, environment, markdown_table, packed_token_dataset, peak_memory, summarize, write_results
+
+SHAPES = {
+    "1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "14b": dict(vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                num_attention_heads=40, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "tiny": dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+}
+COMMON = dict(max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+# ------------------------------------------------------------------------------------------------------- the model
+def save_random_model(shape: str, layers: int | None, folder: str, tiny: bool) -> float:
+    """A random-weight Qwen3 of ``shape`` saved to ``folder`` (built on the GPU in bf16); returns seconds."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    t0 = time.perf_counter()
+    cfg = dict(SHAPES[shape], **COMMON)
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    torch.manual_seed(0)
+    device, dtype = ("cpu", torch.float32) if tiny else ("cuda", torch.bfloat16)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**cfg), dtype=dtype)
+    model.save_pretrained(folder)
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return time.perf_counter() - t0
+
+
+def load_base(folder: str, quantize: bool) -> tuple[torch.nn.Module, float]:
+    """The base model as a user loads it for QLoRA (``nbkit.load_model``'s settings, adapters left to the trainer)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from nbkit.loading import keep_4bit_trainable
+
+    t0 = time.perf_counter()
+    kwargs: dict[str, Any] = {}
+    if quantize:
+        kwargs = dict(dtype=torch.bfloat16, device_map={"": 0}, quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16))
+    elif torch.cuda.is_available():
+        kwargs = dict(dtype=torch.bfloat16, device_map={"": 0})
+    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    if quantize:
+        keep_4bit_trainable(model)
+    model.config.use_cache = False
+    return model, time.perf_counter() - t0
+
+
+def _restore_base(trainer: Any) -> torch.nn.Module:
+    """Take the LoRA back out so the next path starts from the same base (and the same initial adapters)."""
+    model = trainer.model
+    base = model.unload() if hasattr(model, "unload") else model
+    base.__dict__.pop("forward", None)  # TRL's fused LM head is an instance attribute
+    if getattr(base, "_require_grads_hook", None) is not None:
+        base.disable_input_require_grads()
+    base.zero_grad(set_to_none=True)
+    return base
+
+
+# ------------------------------------------------------------------------------------------------------- the paths
+def parse_path(spec: str) -> tuple[str, dict[str, Any]]:
+    """``fastsft[a=1;b=False]`` -> ("fastsft", {"a": 1, "b": False})."""
+    m = re.fullmatch(r"([\w]+)(?:\[(.*)\])?", spec.strip())
+    if not m:
+        raise ValueError(f"bad path {spec!r}")
+    overrides: dict[str, Any] = {}
+    for item in filter(None, (m.group(2) or "").split(";")):
+        key, _, value = item.partition("=")
+        low = value.strip().lower()
+        overrides[key.strip()] = {"true": True, "false": False}.get(low, int(low) if low.isdigit() else value.strip())
+    return m.group(1), overrides
+
+
+class _Profiled:
+    """Profiles steps ``[start, start + count)`` of a run: a TrainerCallback that owns a torch.profiler session."""
+
+    def __init__(self, start: int, count: int = 2) -> None:
+        from transformers import TrainerCallback
+
+        self.start, self.count, self.prof = start, count, None
+        outer = self
+
+        class _CB(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
+                if state.global_step == outer.start and outer.prof is None:
+                    acts = [torch.profiler.ProfilerActivity.CPU]
+                    if torch.cuda.is_available():
+                        acts.append(torch.profiler.ProfilerActivity.CUDA)
+                    outer.prof = torch.profiler.profile(activities=acts, record_shapes=False)
+                    outer.prof.__enter__()
+
+            def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+                if outer.prof is not None and state.global_step == outer.start + outer.count:
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
+                    outer.prof.__exit__(None, None, None)
+
+        self.callback = _CB()
+
+
+@contextlib.contextmanager
+def module_ranges(model: torch.nn.Module):
+    """Name each decoder submodule's forward (by type) in the profile: ``fwd:<attr>`` ranges around its calls."""
+    from torch.autograd.profiler import record_function
+
+    handles, stack = [], []
+    wanted = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "rotary_emb",
+              "embed_tokens", "norm"}
+    for name, mod in model.named_modules():
+        attr = name.rsplit(".", 1)[-1]
+        if attr in wanted or attr.endswith("_proj") and "lora" not in name and name.count("base_layer") == 0:
+            label = f"fwd:{attr}"
+
+            def pre(m, a, label=label):  # noqa: ANN001
+                r = record_function(label)
+                r.__enter__()
+                stack.append(r)
+
+            def post(m, a, o):  # noqa: ANN001
+                if stack:
+                    stack.pop().__exit__(None, None, None)
+
+            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+KERNEL_CATEGORIES = [
+    ("matmul (GEMM)", r"gemm|cutlass|sm90_|sm100_|nvjet|cublas|splitk|xmma|_mm_"),
+    ("attention", r"flash|fmha|attention|varlen"),
+    ("bnb dequant", r"dequant|kDequant|kgemm_4bit"),
+    ("triton", r"^triton_|_kernel$|liger|_fwd|_bwd"),
+    ("copy / cast", r"copy|Copy|cast|convert"),
+    ("reduction", r"reduce|Reduce|norm"),
+    ("elementwise", r"elementwise|vectorized|Elementwise|unrolled"),
+    ("memset / fill", r"memset|fill|Fill|zero"),
+]
+
+
+def profile_tables(prof: Any, steps: int) -> str:
+    """Kernel time (ms per step) by category, the top kernels, the top operators, forward ranges per module."""
+    cats: dict[str, float] = defaultdict(float)
+    kernels: dict[str, float] = defaultdict(float)
+    total = 0.0
+    for e in prof.events():
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        t = e.device_time / 1000.0 / steps  # us -> ms per step
+        total += t
+        kernels[e.name[:90]] += t
+        for cat, rx in KERNEL_CATEGORIES:
+            if re.search(rx, e.name):
+                cats[cat] += t
+                break
+        else:
+            cats["other"] += t
+    lines = [f"GPU kernel time per step: {total:,.1f} ms", "", "| category | ms/step | share |", "|---|---|---|"]
+    lines += [f"| {c} | {t:,.1f} | {t / max(total, 1e-9):.1%} |" for c, t in sorted(cats.items(), key=lambda x: -x[1])]
+    lines += ["", "| top kernels | ms/step |", "|---|---|"]
+    lines += [f"| `{k}` | {t:,.2f} |" for k, t in sorted(kernels.items(), key=lambda x: -x[1])[:25]]
+    ops = prof.key_averages()
+    dev = lambda e: getattr(e, "self_device_time_total", 0.0)  # noqa: E731
+    lines += ["", "| top operators (self GPU time) | ms/step | calls/step |", "|---|---|---|"]
+    for e in sorted(ops, key=lambda e: -dev(e))[:25]:
+        if dev(e) <= 0:
+            break
+        lines.append(f"| `{e.key[:80]}` | {dev(e) / 1000 / steps:,.2f} | {e.count / steps:,.0f} |")
+    tot = lambda e: getattr(e, "device_time_total", 0.0)  # noqa: E731
+    lines += ["", "| module forward ranges (incl. recompute) and backward nodes | GPU ms/step | calls/step |",
+              "|---|---|---|"]
+    rows = [e for e in ops if e.key.startswith("fwd:") or e.key.startswith("autograd::engine::evaluate_function")]
+    for e in sorted(rows, key=lambda e: -tot(e))[:30]:
+        lines.append(f"| `{e.key.replace('autograd::engine::evaluate_function: ', 'bwd:')[:80]}` | "
+                     f"{tot(e) / 1000 / steps:,.1f} | {e.count / steps:,.0f} |")
+    return "\n".join(lines)
+
+
+def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Namespace, profile: bool) -> tuple[dict, torch.nn.Module, str]:
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    from nbkit import FastSFT, FastSFTConfig
+
+    name, overrides = parse_path(spec)
+    tiny = args.tiny
+    common = dict(
+        output_dir=f"/tmp/nbkit-e2e-{name}", max_steps=args.warmup + args.steps, per_device_train_batch_size=1,
+        packing=True, max_length=args.tokens, bf16=not tiny, use_cpu=tiny, gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False}, learning_rate=1e-4, logging_steps=1, report_to=[],
+        save_strategy="no", dataloader_num_workers=0, seed=0, disable_tqdm=True,
+    )
+    if name == "sft_liger":
+        common["use_liger_kernel"] = True
+    timer = StepTimer()
+    if name.startswith("fastsft"):
+        cls = type("TimedFastSFT", (TimedStepMixin, FastSFT), {})
+        config = FastSFTConfig(**common, live_dashboard=False, **overrides)
+    else:
+        cls = type("TimedSFT", (TimedStepMixin, SFTTrainer), {})
+        config = SFTConfig(**common, **overrides)
+    base.set_attn_implementation("sdpa")
+    peft_config = LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, lora_dropout=0.0, task_type="CAUSAL_LM")
+    prof = _Profiled(start=args.warmup) if profile else None
+    callbacks = [timer] + ([prof.callback] if prof else [])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    trainer = cls(model=base, args=config, train_dataset=dataset, peft_config=peft_config, callbacks=callbacks,
+                  processing_class=load_demo_tokenizer())  # only its pad/eos ids are used: the data are token ids
+    trainer.step_timer = timer
+    ranges = module_ranges(trainer.model) if profile else contextlib.nullcontext()
+    with ranges:
+        trainer.train()
+    peak = peak_memory()
+    row = summarize(spec, timer.times, args.warmup, peak, {"speedups": getattr(trainer, "nbkit_attached", [])})
+    if timer.times.first_step_s is not None:  # from trainer construction: what a user waits for after loading
+        row["first_step_s"] = timer._t0 - t0 + timer.times.first_step_s
+    text = profile_tables(prof.prof, prof.count) if prof and prof.prof is not None else ""
+    if prof and prof.prof is not None and os.environ.get("OUT"):
+        with contextlib.suppress(Exception):
+            prof.prof.export_chrome_trace(os.path.join(os.environ["OUT"], f"trace_{name}.json"))
+    base = _restore_base(trainer)
+    del trainer
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return row, base, text
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="1.7b", choices=["1.7b", "14b"])
+    parser.add_argument("--layers", type=int, default=None, help="shrink the model (default: all layers)")
+    parser.add_argument("--tokens", default="16384", help="tokens per step; a comma list runs each")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--paths", default="sft,fastsft")
+    parser.add_argument("--profile", default=None, help="profile this path (one of --paths, or an extra one)")
+    parser.add_argument("--no-4bit", action="store_true", help="bf16 LoRA instead of QLoRA")
+    parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU: checks the script runs")
+    args = parser.parse_args(argv)
+    if not (torch.cuda.is_available() or args.tiny):
+        raise SystemExit("this benchmark needs a CUDA GPU (or --tiny for a CPU smoke run)")
+    shape = "tiny" if args.tiny else args.shape
+    quantize = not (args.no_4bit or args.tiny)
+    folder = tempfile.mkdtemp(prefix=f"nbkit-e2e-{shape}-")
+    save_s = save_random_model(shape, args.layers, folder, args.tiny)
+    base, load_s = load_base(folder, quantize)
+    print(f"model {shape}: saved in {save_s:.1f} s, loaded ({'nf4' if quantize else 'bf16'}) in {load_s:.1f} s",
+          flush=True)
+    paths = [p for p in re.split(r",(?![^\[]*\])", args.paths) if p]
+    if args.profile and args.profile not in paths:
+        paths.append(args.profile)
+    env = environment()
+    results: dict[str, Any] = {"env": env, "args": vars(args), "load_s": load_s, "runs": {}}
+    for tokens_s in args.tokens.split(","):
+        args.tokens = int(tokens_s)
+        mean_len = 40 if args.tiny else 400
+        n_docs = 2 * (args.warmup + args.steps + 2) * args.tokens // mean_len
+        dataset = packed_token_dataset(n_docs, SHAPES[shape]["vocab_size"], mean_len=mean_len, spread=mean_len // 4)
+        rows = []
+        for spec in paths:
+            try:
+                row, base, text = run_path(spec, base, dataset, args, profile=spec == args.profile)
+                rows.append(row)
+                if text:
+                    print(f"\n### profile of {spec} ({shape}, {args.tokens} tokens)\n\n{text}\n", flush=True)
+                    results.setdefault("profiles", {})[f"{spec}@{args.tokens}"] = text
+            except Exception as exc:  # one failing path must not lose the others' numbers
+                traceback.print_exc()
+                rows.append({"path": spec, "error": f"{type(exc).__name__}: {exc}"})
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            print({k: v for k, v in rows[-1].items() if not isinstance(v, list)}, flush=True)
+        base_name = "sft" if "sft" in paths else None
+        table = markdown_table(rows, baseline=base_name)
+        results["runs"][str(args.tokens)] = {"rows": rows, "table": table}
+        print(f"\n{shape}, {args.tokens} tokens/step, {'QLoRA nf4' if quantize else 'bf16 LoRA'}\n{table}\n",
+              flush=True)
+    write_results(f"bench_e2e_{shape}", results)
+    print(env)
+
+
+if __name__ == "__main__":
+    main()
