@@ -105,7 +105,7 @@ PLATFORM="$(detect_platform)"
 say "platform: $PLATFORM; python: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
 
 # ---- versions (from package metadata: nothing is imported) ---------------------------------------------------------
-KEY_PACKAGES="torch transformers trl peft bitsandbytes datasets accelerate ipywidgets nbkit flash-attn"
+KEY_PACKAGES="torch transformers trl peft bitsandbytes datasets accelerate ipywidgets nbkit liger-kernel flash-attn"
 PINNED="torch torchvision torchaudio"  # the runtime's builds, kept as they are
 
 versions() {
@@ -217,11 +217,25 @@ if [[ $FLASH -eq 1 ]]; then
     fi
 fi
 
+# ---- Liger-Kernel: nbkit's fused RMSNorm/SwiGLU/RoPE (fused_kernels="auto"), Triton kernels: CUDA GPUs only ----------
+LIGER_STATUS="skipped: no CUDA GPU (fused_kernels stays off)"
+if [[ -n "$GPU_CC" ]]; then
+    if [[ $DRY_RUN -eq 1 ]]; then
+        LIGER_STATUS="dry run: would install liger-kernel"
+        run "${PIP[@]}" "liger-kernel>=0.8.5"
+    elif run "${PIP[@]}" "liger-kernel>=0.8.5"; then
+        LIGER_STATUS="installed"
+    else
+        LIGER_STATUS="skipped: pip could not install it (nbkit works without it, fused_kernels stays off)"
+    fi
+fi
+
 # ---- report -------------------------------------------------------------------------------------------------------
 echo
 say "GPU: ${GPU_NAME:-none}${GPU_CC:+, compute capability $GPU_CC}"
 say "precision: $PRECISION"
 say "flash-attn: $FLASH_STATUS"
+say "liger-kernel: $LIGER_STATUS"
 if [[ $DRY_RUN -eq 1 ]]; then
     AFTER="$BEFORE"
     say "dry run: nothing was installed; versions as found:"

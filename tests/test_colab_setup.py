@@ -123,7 +123,9 @@ def test_dry_run_colab(box):
     assert "platform: colab" in out
     assert "constraints torch==2.5.1+cu124 torchvision==0.20.1+cu124" in out
     cmds = commands(out)
-    assert len(cmds) == 1
+    assert len(cmds) == 2 and cmds[1][-1] == "liger-kernel>=0.8.5"  # a CUDA GPU: Liger's fused kernels too
+    assert "-c" in cmds[1]  # with torch pinned
+    assert "liger-kernel: dry run: would install liger-kernel" in out
     pip = cmds[0]
     assert pip[:4] == [sys.executable, "-m", "pip", "install"] and pip[-1] == "nbkit"
     assert "-c" in pip and pip[pip.index("-c") + 1].endswith("constraints.txt")
@@ -144,7 +146,7 @@ def test_dry_run_kaggle_old_gpu_skips_flash(box):
     assert "platform: kaggle" in r.stdout and "precision: fp16" in r.stdout
     assert "flash-attn: skipped: flash-attn 2 needs compute capability 8.0" in r.stdout
     cmds = commands(r.stdout)
-    assert len(cmds) == 1 and "flash" not in " ".join(cmds[0])
+    assert len(cmds) == 2 and "flash" not in " ".join(cmds[0] + cmds[1])
     assert_torch_untouched(cmds)
 
 
@@ -158,8 +160,9 @@ def test_dry_run_kaggle_git_source_with_flash(box):
     assert "platform: kaggle" in out and "precision: bf16" in out
     assert "GPU: NVIDIA H100 80GB HBM3, compute capability 9.0" in out
     cmds = commands(out)
-    assert len(cmds) == 3
-    install, download, flash_install = cmds
+    assert len(cmds) == 4
+    install, download, flash_install, liger = cmds
+    assert liger[-1] == "liger-kernel>=0.8.5"
     assert install[-1] == f"nbkit @ {url}"
     assert download[1:4] == ["-m", "pip", "download"]
     assert "--only-binary=:all:" in download and "--no-deps" in download and download[-1] == "flash-attn"
@@ -190,6 +193,7 @@ def test_dry_run_plain_cpu_local_path(box, tmp_path):
     cmds = commands(out)
     assert len(cmds) == 1 and cmds[0][-1] == str(checkout.resolve())
     assert "GPU: none" in out and "precision: fp32" in out and "flash-attn: skipped: no CUDA GPU" in out
+    assert "liger-kernel: skipped: no CUDA GPU" in out
     assert_torch_untouched(cmds)
 
 
@@ -225,7 +229,7 @@ def test_dry_run_runs_nothing(box):
     fake_gpu(box.bin, "NVIDIA A100-SXM4-40GB, 8.0")
     r = box.run("--dry-run", "--flash")
     assert r.returncode == 0, r.stderr
-    assert not log.exists() and len(commands(r.stdout)) == 3
+    assert not log.exists() and len(commands(r.stdout)) == 4  # nbkit, flash download + install, liger
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -239,7 +243,8 @@ def test_install_reports_restart_when_an_installed_package_changed(box):
     r = box.run(COLAB_GPU="1")
     assert r.returncode == 0, r.stdout + r.stderr
     pip_calls = log.read_text().splitlines()
-    assert len(pip_calls) == 1 and pip_calls[0].startswith("PIP install ") and pip_calls[0].endswith(" nbkit")
+    assert len(pip_calls) == 2 and pip_calls[0].startswith("PIP install ") and pip_calls[0].endswith(" nbkit")
+    assert pip_calls[1].endswith(" liger-kernel>=0.8.5")  # a CUDA GPU: Liger's fused kernels
     assert (box.tmp / "constraints.seen").read_text() == "torch==2.5.1+cu124\n"  # what pip was given
     assert "transformers  9.9.9 (was " in r.stdout
     assert "restart needed: yes" in r.stdout and "transformers " in r.stdout.split("restart needed: yes")[1]
@@ -292,7 +297,8 @@ def test_flash_without_a_prebuilt_wheel_is_skipped(box):
     r = box.run("--flash")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "flash-attn: skipped: no prebuilt wheel fits this runtime" in r.stdout
-    assert len(log.read_text().splitlines()) == 2  # nbkit install, the download attempt; no build, no install
+    # nbkit install, the flash download attempt, liger-kernel; no flash build, no flash install
+    assert len(log.read_text().splitlines()) == 3
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -195,8 +195,8 @@ def profile_tables(prof: Any, steps: int) -> str:
     kernels: dict[str, float] = defaultdict(float)
     total = 0.0
     for e in prof.events():
-        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
-            continue
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA or e.name.startswith(("fwd:", "autograd::")):
+            continue  # the module ranges are annotations, not kernels
         t = e.device_time / 1000.0 / steps  # us -> ms per step
         total += t
         kernels[e.name[:90]] += t
