@@ -16,9 +16,12 @@ sum. This module computes the same numbers with:
   runs as the model defines it;
 * the weighted combine (and gpt-oss's down bias) as one gather-and-sum per token, accumulated in fp32; its
   backward is one pass per sorted row; base weight gradients are skipped when the weights are frozen;
-* LoRA on expert weights as low-rank products on each expert's sorted slice, ``(x_e A_e^T) B_e^T * scaling``,
-  with the same grouped/loop backend (rank padded to a multiple of 8 for ``grouped_mm``); ``W + BA`` is never
-  formed.
+* LoRA on expert weights as low-rank products on each expert's sorted slice, ``(x_e A_e^T) B_e^T * scaling``;
+  ``W + BA`` is never formed. With the Triton kernels and a fused gate (``lora="auto"``), the low-rank products
+  ride on passes the path makes anyway: ``x A^T`` inside the dispatch gather, ``u B^T`` inside the gate and
+  ``h A^T`` from its output tile, the down projection's ``u B^T`` added in place; backward the mirror image (see
+  ``_LoraUpAct``). Otherwise (``lora="unfused"``, CPU, other gates) each product is a separate grouped/loop matmul
+  (rank padded to a multiple of 8 for ``grouped_mm``).
 
 Contract (see ``nbkit.speedup``): ``FastMoERouting().attach(model)`` registers ``nbkit_experts_forward`` under
 the name ``"nbkit"`` (idempotent), selects it through ``model.set_experts_implementation`` (or the experts'
@@ -267,6 +270,229 @@ def _kernels() -> Any:
     return k
 
 
+# The kernels of the fused LoRA-on-experts path (``_LoraUpAct``, ``_LoraDown``), at module level so that they
+# can call one another (Triton resolves helper kernels among the globals).
+if triton is not None:
+
+    @triton.jit
+    def _lk_mma(a, b, acc, IEEE: tl.constexpr):
+        if IEEE:  # fp32 models: no tf32 rounding
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        return acc
+
+    @triton.jit
+    def _lk_row_tile(e_ptr, S, BM: tl.constexpr):
+        # this program's rows; rows are sorted by expert, so the tile's experts are e_lo..e_hi. Kernels loop over
+        # them with ``while`` (dynamic bounds: Triton's interpreter cannot run a ``range`` over tensor bounds), and
+        # over columns with ``range(PER)``, PER constexpr (a real loop on the GPU, runnable by the interpreter).
+        m0 = tl.program_id(0) * BM
+        rows = m0 + tl.arange(0, BM)
+        rmask = rows < S
+        eid = tl.load(e_ptr + rows, mask=rmask, other=-1)
+        e_lo = tl.load(e_ptr + m0)
+        e_hi = tl.load(e_ptr + tl.minimum(m0 + BM, S) - 1)
+        return rows.to(tl.int64), rmask, eid, e_lo, e_hi
+
+    @triton.jit
+    def _lk_shrink(x_ptr, idx_ptr, xs_ptr, w_ptr, e_ptr, part_ptr, S, N, R, stride_x, sw_e, sw_r, sw_n, scale,
+                   GATHER: tl.constexpr, STORE_X: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BR: tl.constexpr, PER: tl.constexpr):
+        # part[split, j, :R] = scale * sum_{n in split} x[src_j, n] * w[e_j, :, n]; src_j = idx[j] when GATHER
+        # (then xs[j] = x[src_j] is written too when STORE_X: the dispatch, fused)
+        rows, rmask, eid, e_lo, e_hi = _lk_row_tile(e_ptr, S, BM)
+        split = tl.program_id(1)
+        src = rows
+        if GATHER:
+            src = tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        rr = tl.arange(0, BR)
+        rmask_r = rr < R
+        acc = tl.zeros([BM, BR], dtype=tl.float32)
+        for c in range(PER):
+            cols = (split * PER + c) * BN + tl.arange(0, BN)
+            cmask = cols < N
+            m2 = rmask[:, None] & cmask[None, :]
+            xt = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=m2, other=0.0)
+            if STORE_X:
+                tl.store(xs_ptr + rows[:, None] * N + cols[None, :], xt, mask=m2)
+            e = e_lo
+            while e <= e_hi:  # each expert of the tile
+                wt = tl.load(w_ptr + e * sw_e + rr[None, :] * sw_r + cols[:, None] * sw_n,
+                             mask=cmask[:, None] & rmask_r[None, :], other=0.0)
+                acc = _lk_mma(tl.where((eid == e)[:, None], xt, tl.zeros_like(xt)), wt, acc, IEEE)
+                e += 1
+        dst = part_ptr + split.to(tl.int64) * S * R + rows[:, None] * R + rr[None, :]
+        tl.store(dst, acc * scale, mask=rmask[:, None] & rmask_r[None, :])
+
+    @triton.jit
+    def _lk_expand(y_ptr, u_ptr, w_ptr, e_ptr, S, N, R, stride_y, stride_u, sw_e, sw_n, sw_r, scale,
+                   IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+        # in place: y[j, n] += scale * sum_k u[j, k] * w[e_j, n, k]
+        rows, rmask, eid, e_lo, e_hi = _lk_row_tile(e_ptr, S, BM)
+        rr = tl.arange(0, BR)
+        rmask_r = rr < R
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        cmask = cols < N
+        ut = tl.load(u_ptr + rows[:, None] * stride_u + rr[None, :], mask=rmask[:, None] & rmask_r[None, :], other=0.0)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        e = e_lo
+        while e <= e_hi:  # each expert of the tile
+            wt = tl.load(w_ptr + e * sw_e + rr[:, None] * sw_r + cols[None, :] * sw_n,
+                         mask=rmask_r[:, None] & cmask[None, :], other=0.0)
+            acc = _lk_mma(tl.where((eid == e)[:, None], ut, tl.zeros_like(ut)), wt, acc, IEEE)
+            e += 1
+        m2 = rmask[:, None] & cmask[None, :]
+        yp = y_ptr + rows[:, None] * stride_y + cols[None, :]
+        y = tl.load(yp, mask=m2, other=0.0).to(tl.float32)
+        tl.store(yp, (y + scale * acc).to(y_ptr.dtype.element_ty), mask=m2)
+
+    @triton.jit
+    def _lk_pre_act(gu_ptr, ut, bu_ptr, bias_ptr, rows, eid, e_lo, e_hi, cols, cmask, m2, I, RU, scale_up,
+                    GPTOSS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_UP: tl.constexpr, IEEE: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BRU: tl.constexpr):
+        # gate and up pre-activations of a (BM, BN) tile: gu + scale_up * u B[e]^T + bias[e], fp32
+        if GPTOSS:  # interleaved [g0, u0, g1, u1, ...]
+            gcol = 2 * cols
+            ucol = 2 * cols + 1
+        else:  # concatenated [gate | up]
+            gcol = cols
+            ucol = cols + I
+        src = gu_ptr + rows[:, None] * (2 * I)
+        gate = tl.load(src + gcol[None, :], mask=m2, other=0.0).to(tl.float32)
+        up = tl.load(src + ucol[None, :], mask=m2, other=0.0).to(tl.float32)
+        if HAS_UP:
+            ru = tl.arange(0, BRU)
+            bmask = (ru < RU)[:, None] & cmask[None, :]
+            cg = tl.zeros([BM, BN], dtype=tl.float32)
+            cu = tl.zeros([BM, BN], dtype=tl.float32)
+            e = e_lo
+            while e <= e_hi:  # each expert of the tile
+                ue = tl.where((eid == e)[:, None], ut, tl.zeros_like(ut))
+                base = bu_ptr + e * (2 * I * RU)
+                cg = _lk_mma(ue, tl.load(base + gcol[None, :] * RU + ru[:, None], mask=bmask, other=0.0), cg, IEEE)
+                cu = _lk_mma(ue, tl.load(base + ucol[None, :] * RU + ru[:, None], mask=bmask, other=0.0), cu, IEEE)
+                e += 1
+            gate += scale_up * cg
+            up += scale_up * cu
+        if HAS_BIAS:
+            b = bias_ptr + tl.maximum(eid, 0).to(tl.int64)[:, None] * (2 * I)
+            gate += tl.load(b + gcol[None, :], mask=m2, other=0.0).to(tl.float32)
+            up += tl.load(b + ucol[None, :], mask=m2, other=0.0).to(tl.float32)
+        return gate, up, gcol, ucol
+
+    @triton.jit
+    def _lk_act_fwd(gu_ptr, uu_ptr, bu_ptr, bias_ptr, e_ptr, ad_ptr, h_ptr, part_ptr, S, I, RU, RD, scale_up, alpha,
+                    limit, GPTOSS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_UP: tl.constexpr,
+                    HAS_DOWN: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BRU: tl.constexpr,
+                    BRD: tl.constexpr, PER: tl.constexpr):
+        # h = gate(gu + scale_up * u_up B_up[e]^T + bias[e]); part[split, j] = sum_{n in split} h[j, n] A_down[e, :, n]
+        rows, rmask, eid, e_lo, e_hi = _lk_row_tile(e_ptr, S, BM)
+        split = tl.program_id(1)
+        ru = tl.arange(0, BRU)
+        rd = tl.arange(0, BRD)
+        ut = tl.load(uu_ptr + rows[:, None] * RU + ru[None, :], mask=rmask[:, None] & (ru < RU)[None, :], other=0.0)
+        acc_d = tl.zeros([BM, BRD], dtype=tl.float32)
+        for c in range(PER):
+            cols = (split * PER + c) * BN + tl.arange(0, BN)
+            cmask = cols < I
+            m2 = rmask[:, None] & cmask[None, :]
+            gate, up, gcol, ucol = _lk_pre_act(gu_ptr, ut, bu_ptr, bias_ptr, rows, eid, e_lo, e_hi, cols, cmask, m2,
+                                               I, RU, scale_up, GPTOSS, HAS_BIAS, HAS_UP, IEEE, BM, BN, BRU)
+            if GPTOSS:
+                gate = tl.minimum(gate, limit)
+                up = tl.minimum(tl.maximum(up, -limit), limit)
+                h = (up + 1.0) * gate * tl.sigmoid(gate * alpha)
+            else:
+                h = gate * tl.sigmoid(gate) * up
+            hq = h.to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + rows[:, None] * I + cols[None, :], hq, mask=m2)
+            if HAS_DOWN:
+                amask = cmask[:, None] & (rd < RD)[None, :]
+                e = e_lo
+                while e <= e_hi:  # each expert of the tile
+                    at = tl.load(ad_ptr + e * (RD * I) + rd[None, :] * I + cols[:, None], mask=amask, other=0.0)
+                    acc_d = _lk_mma(tl.where((eid == e)[:, None], hq, tl.zeros_like(hq)), at, acc_d, IEEE)
+                    e += 1
+        if HAS_DOWN:
+            dst = part_ptr + split.to(tl.int64) * S * RD + rows[:, None] * RD + rd[None, :]
+            tl.store(dst, acc_d, mask=rmask[:, None] & (rd < RD)[None, :])
+
+    @triton.jit
+    def _lk_act_bwd(gu_ptr, uu_ptr, bu_ptr, bias_ptr, e_ptr, gh_ptr, dud_ptr, ad_ptr, dgu_ptr, part_ptr, S, I, RU, RD,
+                    scale_up, alpha, limit, GPTOSS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    HAS_UP: tl.constexpr, HAS_DOWN: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, BRU: tl.constexpr, BRD: tl.constexpr, PER: tl.constexpr):
+        # dh = gh + du_down A_down[e] (the down LoRA's input gradient, fused); dgu = gate'(pre-activations) * dh;
+        # part[split, j] = scale_up * sum_{n in split} dgu[j, n] B_up[e, n, :]
+        rows, rmask, eid, e_lo, e_hi = _lk_row_tile(e_ptr, S, BM)
+        split = tl.program_id(1)
+        ru = tl.arange(0, BRU)
+        rd = tl.arange(0, BRD)
+        ut = tl.load(uu_ptr + rows[:, None] * RU + ru[None, :], mask=rmask[:, None] & (ru < RU)[None, :], other=0.0)
+        dut = tl.load(dud_ptr + rows[:, None] * RD + rd[None, :], mask=rmask[:, None] & (rd < RD)[None, :], other=0.0)
+        acc_u = tl.zeros([BM, BRU], dtype=tl.float32)
+        for c in range(PER):
+            cols = (split * PER + c) * BN + tl.arange(0, BN)
+            cmask = cols < I
+            m2 = rmask[:, None] & cmask[None, :]
+            gate, up, gcol, ucol = _lk_pre_act(gu_ptr, ut, bu_ptr, bias_ptr, rows, eid, e_lo, e_hi, cols, cmask, m2,
+                                               I, RU, scale_up, GPTOSS, HAS_BIAS, HAS_UP, IEEE, BM, BN, BRU)
+            g = tl.load(gh_ptr + rows[:, None] * I + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+            if HAS_DOWN:
+                amask = (rd < RD)[:, None] & cmask[None, :]
+                e = e_lo
+                while e <= e_hi:  # each expert of the tile
+                    at = tl.load(ad_ptr + e * (RD * I) + rd[:, None] * I + cols[None, :], mask=amask, other=0.0)
+                    g = _lk_mma(tl.where((eid == e)[:, None], dut, tl.zeros_like(dut)), at, g, IEEE)
+                    e += 1
+            if GPTOSS:
+                gate_c = tl.minimum(gate, limit)
+                up_c = tl.minimum(tl.maximum(up, -limit), limit)
+                s = tl.sigmoid(gate_c * alpha)
+                d_up = tl.where((up >= -limit) & (up <= limit), g * gate_c * s, 0.0)
+                d_gate = g * (up_c + 1.0) * (s + alpha * gate_c * s * (1.0 - s))
+                d_gate = tl.where(gate <= limit, d_gate, 0.0)
+            else:
+                s = tl.sigmoid(gate)
+                d_up = g * gate * s
+                d_gate = g * up * s * (1.0 + gate * (1.0 - s))
+            dgq = d_gate.to(dgu_ptr.dtype.element_ty)
+            duq = d_up.to(dgu_ptr.dtype.element_ty)
+            dst = dgu_ptr + rows[:, None] * (2 * I)
+            tl.store(dst + gcol[None, :], dgq, mask=m2)
+            tl.store(dst + ucol[None, :], duq, mask=m2)
+            if HAS_UP:
+                bmask = cmask[:, None] & (ru < RU)[None, :]
+                e = e_lo
+                while e <= e_hi:  # each expert of the tile
+                    sel = (eid == e)[:, None]
+                    base = bu_ptr + e * (2 * I * RU)
+                    bg = tl.load(base + gcol[:, None] * RU + ru[None, :], mask=bmask, other=0.0)
+                    bu = tl.load(base + ucol[:, None] * RU + ru[None, :], mask=bmask, other=0.0)
+                    acc_u = _lk_mma(tl.where(sel, dgq, tl.zeros_like(dgq)), bg, acc_u, IEEE)
+                    acc_u = _lk_mma(tl.where(sel, duq, tl.zeros_like(duq)), bu, acc_u, IEEE)
+                    e += 1
+        if HAS_UP:
+            dst = part_ptr + split.to(tl.int64) * S * RU + rows[:, None] * RU + ru[None, :]
+            tl.store(dst, acc_u * scale_up, mask=rmask[:, None] & (ru < RU)[None, :])
+
+
+def _lora_kernels() -> Any:
+    """Tiled kernels of the fused LoRA-on-experts path (``_LoraUpAct``, ``_LoraDown``), or None without triton.
+
+    A program owns a tile of BM rows sorted by expert: one expert, or a few where slices meet. It loops over the
+    experts ``sorted_e[first row] .. sorted_e[last row]`` and masks the other rows out of each low-rank product, so
+    no tile table is built and nothing syncs with the host. The rank is padded to BR >= 16 by masks (``tl.dot``
+    on tensor cores); every sum is fp32; partial sums over column splits go to separate rows (no atomics).
+    """
+    if triton is None:
+        return None
+    from types import SimpleNamespace
+
+    return SimpleNamespace(shrink=_lk_shrink, expand=_lk_expand, act_fwd=_lk_act_fwd, act_bwd=_lk_act_bwd)
+
+
 _BLOCK = 1024
 
 
@@ -412,6 +638,208 @@ def _biased(gu: torch.Tensor, bias: Optional[torch.Tensor], route: _Route) -> to
 
 
 # --------------------------------------------------------------------------------------------------------------
+# LoRA on experts, fused (CUDA/Triton): the low-rank products ride on passes the experts path makes anyway
+# --------------------------------------------------------------------------------------------------------------
+# Per projection with LoRA, the unfused composition (``_with_lora``) costs a skinny grouped_mm for x A^T, one for
+# u B^T writing a full (S, out) tensor, and an add reading two of them; backward the same again plus autograd's
+# sums. Here, with u = x A^T (rank r) kept per sorted row:
+#   forward   x A_up^T: fused with the dispatch gather (one pass over x, which is written anyway);
+#             s_up u_up B_up^T: added to the gate's pre-activations inside the gate kernel (never stored);
+#             h A_down^T: taken from the gate kernel's h tile before it leaves registers;
+#             s_down u_down B_down^T: added in place to the down projection's output (read + write, no temporary).
+#   backward  du_down = s_down gy B_down: one pass over gy; du_down A_down: added to dh inside the gate's backward,
+#             which also forms du_up = s_up dgu B_up from its dgu tile; du_up A_up: added in place to dx;
+#             the factor gradients are four skinny grouped_mm weight gradients (deterministic, no atomics).
+# The gate's backward recomputes the LoRA term of the pre-activations from u_up (cheap, tensor cores) instead of
+# keeping a second (S, 2I) tensor.
+# (rows, columns, warps) per program of each kernel: spill-free on sm_90 by ptxas -v (act_fwd ~245 registers at 8
+# warps, act_bwd ~246, shrink ~124, expand ~156 at 4); change here to A/B other tilings.
+_LORA_TILES = {"shrink": (64, 32, 8), "expand": (64, 64, 4), "act_fwd": (64, 64, 8), "act_bwd": (64, 32, 8)}
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _splits(m_tiles: int, n_chunks: int, device: torch.device) -> tuple[int, int]:
+    """(column splits, chunks per split): split the column loop when the row tiles alone give fewer than ~8
+    programs per SM (small batches), so that the row-reducing kernels still fill the GPU. Splits are powers of two
+    and chunks per split a compile-time constant: a few kernel variants per model, whatever the token count."""
+    want = min(n_chunks, -(-8 * _sm_count(device) // max(1, m_tiles)))
+    splits = 1
+    while splits < want:
+        splits *= 2
+    per = -(-n_chunks // splits)
+    return -(-n_chunks // per), per
+
+
+def _rank_block(r: int) -> int:
+    return max(16, triton.next_power_of_2(r))
+
+
+def _shrink(lk, x: torch.Tensor, w: torch.Tensor, route: _Route, scale: float, out_dtype: torch.dtype,
+            gather: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``u[j] = scale * w[e_j] @ x[j]`` for ``w`` viewed (E, r, N): (S, r) in ``out_dtype``. With ``gather``, ``x``
+    is in token order and row j reads ``x[token_idx[j]]``; the gathered rows are returned too (the dispatch)."""
+    S, (_, R, N) = route.perm.numel(), w.shape
+    bm, bn, warps = _LORA_TILES["shrink"]
+    m_tiles, n_chunks = triton.cdiv(S, bm), triton.cdiv(N, bn)
+    splits, per = _splits(m_tiles, n_chunks, x.device)
+    part = torch.empty(splits, S, R, device=x.device, dtype=torch.float32)
+    xs = x.new_empty(S, N) if gather else None
+    lk.shrink[(m_tiles, splits)](
+        x, route.token_idx, xs if gather else x, w, route.sorted_e, part, S, N, R, x.stride(0), *w.stride(),
+        float(scale), GATHER=gather, STORE_X=gather, IEEE=x.dtype == torch.float32, BM=bm, BN=bn, BR=_rank_block(R),
+        PER=per, num_warps=warps)
+    u = part[0] if splits == 1 else part.sum(0)
+    return u.to(out_dtype), xs
+
+
+def _expand_(lk, y: torch.Tensor, u: torch.Tensor, w: torch.Tensor, route: _Route, scale: float) -> torch.Tensor:
+    """In place: ``y[j] += scale * w[e_j] @ u[j]`` for ``w`` viewed (E, N, r)."""
+    S, (_, N, R) = route.perm.numel(), w.shape
+    bm, bn, warps = _LORA_TILES["expand"]
+    lk.expand[(triton.cdiv(S, bm), triton.cdiv(N, bn))](
+        y, u, w, route.sorted_e, S, N, R, y.stride(0), u.stride(0), *w.stride(), float(scale),
+        IEEE=y.dtype == torch.float32, BM=bm, BN=bn, BR=_rank_block(R), num_warps=warps)
+    return y
+
+
+class _LoraUpAct(torch.autograd.Function):
+    """Dispatch, up projection with its LoRA, gate, and the down LoRA's first factor: ``(h, u_down)`` per sorted row.
+
+    ``u_down = h A_down[e]^T`` (unscaled; an (S, 0) tensor without a down LoRA). Saves the dispatched ``x``, the
+    base ``gu`` (before LoRA and bias), ``u_up`` and ``h`` (for ``A_down``'s gradient only).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, w_up, bias, a_up, b_up, a_down, route, plan, s_up, alpha, limit):
+        lk = plan.lora_kern
+        ctx.set_materialize_grads(False)
+        dtype = w_up.dtype
+        has_up, has_down = a_up is not None, a_down is not None
+        hidden = hidden.contiguous()
+        if has_up:
+            u_up, x = _shrink(lk, hidden, a_up, route, 1.0, dtype, gather=True)
+        else:
+            x, u_up = hidden.index_select(0, route.token_idx), None
+        gu = _gmm(x, w_up, route, plan.trans)
+        S, I = gu.shape[0], gu.shape[1] // 2
+        h = gu.new_empty(S, I)
+        bm, bn, warps = _LORA_TILES["act_fwd"]
+        m_tiles, n_chunks = triton.cdiv(S, bm), triton.cdiv(I, bn)
+        splits, per = _splits(m_tiles, n_chunks, gu.device)
+        rd = a_down.shape[1] if has_down else 0
+        part = torch.empty(splits, S, rd, device=gu.device, dtype=torch.float32)
+        ru = a_up.shape[1] if has_up else 0
+        lk.act_fwd[(m_tiles, splits)](
+            gu, u_up if has_up else gu, b_up if has_up else gu, bias if bias is not None else gu, route.sorted_e,
+            a_down if has_down else gu, h, part, S, I, ru, rd, float(s_up), alpha, limit,
+            GPTOSS=plan.act == "gptoss", HAS_BIAS=bias is not None, HAS_UP=has_up, HAS_DOWN=has_down,
+            IEEE=dtype == torch.float32, BM=bm, BN=bn, BRU=_rank_block(ru), BRD=_rank_block(rd), PER=per,
+            num_warps=warps)
+        u_down = (part[0] if splits == 1 else part.sum(0)).to(dtype)
+        ctx.route, ctx.plan, ctx.args = route, plan, (float(s_up), alpha, limit)
+        ctx.save_for_backward(x, gu, u_up, h if has_down else None, w_up, bias, a_up, b_up, a_down)
+        return h, u_down
+
+    @staticmethod
+    def backward(ctx, gh, gu_down):
+        x, gu, u_up, h, w_up, bias, a_up, b_up, a_down = ctx.saved_tensors
+        route, plan, (s_up, alpha, limit) = ctx.route, ctx.plan, ctx.args
+        lk = plan.lora_kern
+        need = ctx.needs_input_grad
+        has_up, has_down = a_up is not None, a_down is not None and gu_down is not None
+        S, I = gu.shape[0], gu.shape[1] // 2
+        gh = gh.contiguous() if gh is not None else gu.new_zeros(S, I)
+        gu_down = gu_down.contiguous() if has_down else None
+        dgu = torch.empty_like(gu)
+        bm, bn, warps = _LORA_TILES["act_bwd"]
+        m_tiles, n_chunks = triton.cdiv(S, bm), triton.cdiv(I, bn)
+        splits, per = _splits(m_tiles, n_chunks, gh.device)
+        ru, rd = (a_up.shape[1] if has_up else 0), (a_down.shape[1] if has_down else 0)
+        part = torch.empty(splits, S, ru, device=gh.device, dtype=torch.float32)
+        lk.act_bwd[(m_tiles, splits)](
+            gu, u_up if has_up else gu, b_up if has_up else gu, bias if bias is not None else gu, route.sorted_e, gh,
+            gu_down if has_down else gu, a_down if has_down else gu, dgu, part, S, I, ru, rd, s_up, alpha, limit,
+            GPTOSS=plan.act == "gptoss", HAS_BIAS=bias is not None, HAS_UP=has_up, HAS_DOWN=has_down,
+            IEEE=gu.dtype == torch.float32, BM=bm, BN=bn, BRU=_rank_block(ru), BRD=_rank_block(rd), PER=per,
+            num_warps=warps)
+        du_up = (part[0] if splits == 1 else part.sum(0)).to(gu.dtype) if has_up else None
+        d_hidden = None
+        if need[0]:
+            dx = _gmm(dgu, w_up, route, not plan.trans)
+            if has_up:
+                _expand_(lk, dx, du_up, a_up.transpose(1, 2), route, 1.0)
+            d_hidden = _unsort_sum(plan.kern, dx, route)
+        d_w = _gmm_wgrad(x, dgu, route, plan.trans) if need[1] else None
+        d_bias = _expert_row_sums(dgu, route).to(bias.dtype) if bias is not None and need[2] else None
+        d_a_up = _gmm_wgrad(x, du_up, route, True) if has_up and need[3] else None
+        d_b_up = _gmm_wgrad(u_up, dgu, route, True).mul_(s_up) if has_up and need[4] else None
+        d_a_down = _gmm_wgrad(h, gu_down, route, True) if has_down and need[5] else None
+        return d_hidden, d_w, d_bias, d_a_up, d_b_up, d_a_down, None, None, None, None, None
+
+
+class _LoraDown(torch.autograd.Function):
+    """Down projection plus ``s * u_down B_down[e]^T`` added in place: ``y`` per sorted row."""
+
+    @staticmethod
+    def forward(ctx, h, u_down, w_down, b_down, route, plan, s_down):
+        y = _gmm(h, w_down, route, plan.trans)
+        if b_down is not None:
+            _expand_(plan.lora_kern, y, u_down, b_down, route, s_down)
+        ctx.route, ctx.plan, ctx.s = route, plan, float(s_down)
+        need_w = ctx.needs_input_grad[2]
+        ctx.save_for_backward(h if need_w else None, u_down if b_down is not None else None, w_down, b_down)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        h, u_down, w_down, b_down = ctx.saved_tensors
+        route, plan, s = ctx.route, ctx.plan, ctx.s
+        need = ctx.needs_input_grad
+        gy = gy.contiguous()
+        gh = _gmm(gy, w_down, route, not plan.trans) if need[0] else None
+        du = db = None
+        if b_down is not None:
+            if need[1]:
+                du, _ = _shrink(plan.lora_kern, gy, b_down.transpose(1, 2), route, s, gy.dtype)
+            if need[3]:
+                db = _gmm_wgrad(u_down, gy, route, True).mul_(s)
+        dw = _gmm_wgrad(h, gy, route, plan.trans) if need[2] else None
+        return gh, du, dw, db, None, None, None
+
+
+def _expert_row_sums(g: torch.Tensor, route: _Route) -> torch.Tensor:
+    """Per-expert sums of sorted rows as one small GEMM (no atomics): a bias gradient."""
+    experts = torch.arange(route.num_experts, device=g.device).unsqueeze(1)
+    return (route.sorted_e.unsqueeze(0) == experts).to(g.dtype).mm(g)
+
+
+def _fused_lora_experts(module: nn.Module, plan: "_Plan", hidden: torch.Tensor, route: _Route, lora: dict,
+                        dtype: torch.dtype, pad: bool) -> torch.Tensor:
+    """The experts forward with LoRA through ``_LoraUpAct`` and ``_LoraDown``: sorted rows ``y`` before the combine."""
+    up = lora.get(plan.up_name, ())
+    down = lora.get("down_proj", ())
+    a_up = b_up = a_down = b_down = None
+    s_up = s_down = 0.0
+    if up:
+        (A, B, s_up), = up
+        a_up, b_up = _lora_factors(A, B, route.num_experts, dtype, pad)
+    if down:
+        (A, B, s_down), = down
+        a_down, b_down = _lora_factors(A, B, route.num_experts, dtype, pad)
+    w_up = getattr(module, plan.up_name).to(dtype)
+    bias = getattr(module, plan.up_name + "_bias").to(dtype) if plan.has_bias else None
+    h, u_down = _LoraUpAct.apply(hidden, w_up, bias, a_up, b_up, a_down, route, plan, s_up,
+                                 float(getattr(module, "alpha", 0.0)), float(getattr(module, "limit", 0.0)))
+    return _LoraDown.apply(h, u_down, module.down_proj.to(dtype), b_down, route, plan, s_down)
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Per-module plan (chosen in attach) and the experts forward registered with transformers
 # --------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -424,6 +852,7 @@ class _Plan:
     dtype: torch.dtype
     backend: str  # "grouped" | "loop"
     kern: Any  # triton kernels or None
+    lora_kern: Any = None  # the fused LoRA kernels (``_lora_kernels``), or None: LoRA as separate products
 
 
 def _act_kind(module: nn.Module) -> str:
@@ -445,7 +874,7 @@ def _act_kind(module: nn.Module) -> str:
 
 
 def _make_plan(module: nn.Module, device: torch.device, dtype: torch.dtype, backend: str = "auto",
-               kernels: str = "auto") -> _Plan:
+               kernels: str = "auto", lora: str = "auto") -> _Plan:
     up_name = "gate_up_proj" if module.has_gate else "up_proj"
     trans = not module.is_transposed
     w_up, w_down = getattr(module, up_name), module.down_proj
@@ -460,7 +889,12 @@ def _make_plan(module: nn.Module, device: torch.device, dtype: torch.dtype, back
         kern = _kernels()
         if kern is None and kernels == "triton":
             raise RuntimeError("nbkit fast_moe_routing: kernels='triton' but triton is not installed")
-    return _Plan(up_name, trans, bool(module.has_bias), act, device, dtype, backend, kern)
+    lora_kern = None  # fused LoRA: needs the fused gate, so "silu" and "gptoss" only
+    if act != "generic" and (lora == "fused" or (lora == "auto" and kern is not None)):
+        lora_kern = _lora_kernels()
+        if lora_kern is None and lora == "fused":
+            raise RuntimeError("nbkit fast_moe_routing: lora='fused' but triton is not installed")
+    return _Plan(up_name, trans, bool(module.has_bias), act, device, dtype, backend, kern, lora_kern)
 
 
 def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -514,6 +948,11 @@ def nbkit_experts_forward(
     with torch.autocast(plan.device.type, enabled=False):
         w_up, w_down = w_up0.to(dtype), self.down_proj.to(dtype)
         route = _route(top_k_index, self.num_experts, host_counts=plan.backend == "loop")
+        down_bias = self.down_proj_bias.to(dtype) if plan.has_bias else None
+        if plan.lora_kern is not None and any(lora.values()) and all(len(f) <= 1 for f in lora.values()):
+            y = _fused_lora_experts(self, plan, hidden_states.to(dtype), route, lora, dtype, pad)
+            out = _Combine.apply(y, top_k_weights.reshape(-1), down_bias, route, plan.kern)
+            return out.to(hidden_states.dtype)
         x = _Dispatch.apply(hidden_states.to(dtype), route, plan.kern)
         gu = _ExpertsLinear.apply(x, w_up, route, plan.trans)
         gu = _with_lora(gu, x, lora.get(plan.up_name, ()), route, dtype, pad)
@@ -527,7 +966,6 @@ def nbkit_experts_forward(
                                   float(getattr(self, "limit", 0.0)), plan.kern)
         y = _ExpertsLinear.apply(h, w_down, route, plan.trans)
         y = _with_lora(y, h, lora.get("down_proj", ()), route, dtype, pad)
-        down_bias = self.down_proj_bias.to(dtype) if plan.has_bias else None
         out = _Combine.apply(y, top_k_weights.reshape(-1), down_bias, route, plan.kern)
     return out.to(hidden_states.dtype)
 
@@ -615,14 +1053,18 @@ class FastMoERouting:
 
     ``backend``: "auto" (grouped_mm on CUDA bf16 with aligned dims, else contiguous slices), "grouped" or "loop".
     ``kernels``: "auto" (Triton on CUDA when installed), "triton" or "torch".
+    ``lora``: how LoRA on experts runs: "auto" (fused into the dispatch, gate and down projection when the Triton
+    kernels are on and the gate is one nbkit fuses), "fused" (the same, required) or "unfused" (separate low-rank
+    products, the A/B baseline).
     """
 
     name = "fast_moe_routing"
 
-    def __init__(self, backend: str = "auto", kernels: str = "auto") -> None:
-        if backend not in ("auto", "grouped", "loop") or kernels not in ("auto", "triton", "torch"):
-            raise ValueError(f"backend={backend!r}, kernels={kernels!r}")
-        self.backend, self.kernels = backend, kernels
+    def __init__(self, backend: str = "auto", kernels: str = "auto", lora: str = "auto") -> None:
+        if (backend not in ("auto", "grouped", "loop") or kernels not in ("auto", "triton", "torch")
+                or lora not in ("auto", "fused", "unfused")):
+            raise ValueError(f"backend={backend!r}, kernels={kernels!r}, lora={lora!r}")
+        self.backend, self.kernels, self.lora = backend, kernels, lora
         self._base: Optional[nn.Module] = None
         self._prev_impl: Optional[dict] = None
         self._config_prev: list = []  # (config, previous internal value) set directly
@@ -654,13 +1096,15 @@ class FastMoERouting:
             return False
         for m in experts:
             w = getattr(m, "gate_up_proj" if m.has_gate else "up_proj")
-            m._nbkit_moe_plan = _make_plan(m, w.device, _compute_dtype(w), self.backend, self.kernels)
+            m._nbkit_moe_plan = _make_plan(m, w.device, _compute_dtype(w), self.backend, self.kernels,
+                                            self.lora)
             self._planned.append(m)
         self._bypass_peft(base)
         plan = experts[0]._nbkit_moe_plan
         logger.info("nbkit fast_moe_routing: on for %d experts modules of %s (backend=%s, gate=%s, kernels=%s, "
-                    "LoRA bypass on %d)", len(experts), type(base).__name__, plan.backend, plan.act,
-                    "triton" if plan.kern is not None else "torch", len(self._bypassed))
+                    "LoRA bypass on %d, %s)", len(experts), type(base).__name__, plan.backend, plan.act,
+                    "triton" if plan.kern is not None else "torch", len(self._bypassed),
+                    "fused" if plan.lora_kern is not None else "unfused")
         return True
 
     def detach(self) -> None:

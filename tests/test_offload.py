@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Optional
 
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from nbkit.offload import OffloadedCheckpointing, _HostPool, _Lane
+from nbkit.offload import OffloadedCheckpointing, _HostPool, _Lane, slot_bytes
 
 torch.set_num_threads(2)
 
@@ -79,20 +80,22 @@ def test_parity_pool_reuse_and_prefetch(gc_model):
         assert_same(ref, step(gc_model))
         s = oc.stats
         assert s.packs == s.unpacks == LAYERS * (i + 1)
-        # every layer but the last one restored is served by a prefetch issued while the next layer recomputed
-        assert s.prefetch_hits == s.prefetch_issued == (LAYERS - 1) * (i + 1)
-        assert s.host_allocs == LAYERS and s.buffer_busy == 0  # the host pool does not grow after step 1
-        assert s.buffer_allocs == 2 * (i + 1)  # two restore buffers per backward, none per layer
+        # every layer but the last one restored is served by a prefetch issued after the next layer's MLP backward
+        assert s.prefetch_hits == s.prefetch_issued == s.prefetch_after_ffn == (LAYERS - 1) * (i + 1)
+        assert s.host_allocs == LAYERS  # the host pool does not grow after step 1
+        assert s.buffer_allocs == LAYERS * (i + 1)  # one restore buffer per layer, handed back after it
     oc.detach()
 
 
 def test_single_buffer(gc_model):
     ref = step(gc_model)
-    oc = OffloadedCheckpointing(mode=True, double_buffer=False)
+    oc = OffloadedCheckpointing(mode=True, double_buffer=False, trace=100)
     assert oc.attach(gc_model)
     for _ in range(2):
         assert_same(ref, step(gc_model))
-    assert oc.stats.prefetch_hits == 0 and oc.stats.buffer_allocs == 2 and oc.stats.buffers == 1  # one per step
+    s = oc.stats
+    assert s.prefetch_issued == s.prefetch_hits == 0 and s.buffers == 1 and s.buffer_allocs == 2 * LAYERS
+    assert {e[0] for e in oc.trace} == {"unpack"}  # no MLP hook is installed without a second buffer
     oc.detach()
 
 
@@ -102,6 +105,65 @@ def test_retain_graph_double_backward(gc_model):
     assert oc.attach(gc_model)
     assert_same(ref, step(gc_model, retain=True))  # each input is restored twice from the same host slot
     assert oc.stats.unpacks == 2 * LAYERS
+    assert oc.stats.prefetch_hits == 2 * (LAYERS - 1)  # the MLP hooks fire in both backwards
+    oc.detach()
+
+
+def _mark_backward(model, trace, staged_at_mlp=None, lane=None):
+    """Module backward hooks that log into the offload trace: each MLP projection and the attention projections."""
+    for i, layer in enumerate(model.model.layers):
+        name = f"model.layers.{i}"
+        mods = {f"mlp.{n}": getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")}
+        mods |= {f"attn.{n}": getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        for tag, mod in mods.items():
+            def hook(mod, gin, gout, tag=tag, name=name):
+                trace.append((tag, name, ""))
+                if staged_at_mlp is not None and tag.startswith("mlp."):
+                    lane_ = lane()
+                    staged_at_mlp.append(lane_ is not None and lane_.staged is not None)
+            mod.register_full_backward_hook(hook)
+
+
+def test_prefetch_is_issued_after_the_mlp_backward(gc_model):
+    """Layer i-1's input is copied back after layer i's MLP backward (its memory peak), before its attention's."""
+    ref = step(gc_model)
+    oc = OffloadedCheckpointing(mode=True, trace=1000)
+    oc.attach(gc_model)
+    staged_at_mlp: list[bool] = []
+    _mark_backward(gc_model, oc.trace, staged_at_mlp, lambda: next(iter(oc._lanes.values()), None))
+    for _ in range(2):
+        oc.trace.clear()
+        assert_same(ref, step(gc_model))
+        ev = list(oc.trace)
+        at = {e: k for k, e in enumerate(ev)}
+        for i in range(1, LAYERS):
+            cur, prev = f"model.layers.{i}", f"model.layers.{i - 1}"
+            fetch = at[("prefetch", prev, "after_ffn")]
+            assert at[("unpack", cur, "miss" if i == LAYERS - 1 else "hit")] < fetch
+            for proj in ("gate_proj", "up_proj", "down_proj"):  # the whole MLP backward came first
+                assert at[(f"mlp.{proj}", cur, "")] < at[("ffn_backward_done", cur, "")] < fetch
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):  # the attention backward is left to hide the copy
+                assert fetch < at[(f"attn.{proj}", cur, "")]
+            assert fetch < at[("unpack", prev, "hit")]
+        assert [e for e in ev if e[0] == "prefetch"] == [
+            ("prefetch", f"model.layers.{i - 1}", "after_ffn") for i in range(LAYERS - 1, 0, -1)]
+    # during every MLP backward no second input is restored: one buffer at the peak, like save_on_cpu
+    assert staged_at_mlp and not any(staged_at_mlp)
+    oc.detach()
+
+
+def test_prefetch_trace_is_a_real_observation(gc_model):
+    """Negative control: a prefetch issued at unpack (the old timing) breaks the ordering the test above checks."""
+    oc = OffloadedCheckpointing(mode=True, trace=1000)
+    oc.attach(gc_model)
+    for _, _, inst in oc._installed:
+        inst.ffn = None  # no MLP hook: the fallback timing
+    _mark_backward(gc_model, oc.trace)
+    step(gc_model)
+    ev = list(oc.trace)
+    fetch = ev.index(("prefetch", "model.layers.2", "at_unpack"))
+    assert fetch < ev.index(("mlp.down_proj", "model.layers.3", ""))  # before layer 3's MLP backward
+    assert oc.stats.prefetch_hits == LAYERS - 1 and oc.stats.prefetch_after_ffn == 0
     oc.detach()
 
 
@@ -110,14 +172,20 @@ def test_every_n_layers():
     model.gradient_checkpointing_enable(every_n_layers=2)
     ref = step(model)
     before = layer_funcs(model)
-    oc = OffloadedCheckpointing(mode=True)
+    oc = OffloadedCheckpointing(mode=True, trace=100)
     assert oc.attach(model)
     checkpointed = [layer.gradient_checkpointing for layer in model.model.layers]
     assert checkpointed == [True, False, True, False]
     installed = [type(f).__name__ == "_InstalledCheckpoint" for f in layer_funcs(model)]
     assert installed == checkpointed  # exactly the checkpointed layers
+    _mark_backward(model, oc.trace)
     assert_same(ref, step(model))
-    assert oc.stats.packs == 2
+    assert oc.stats.packs == 2 and oc.stats.prefetch_hits == oc.stats.prefetch_after_ffn == 1
+    ev = list(oc.trace)
+    fetch = ev.index(("prefetch", "model.layers.0", "after_ffn"))
+    assert ev.index(("ffn_backward_done", "model.layers.2", "")) < fetch
+    assert fetch < ev.index(("attn.q_proj", "model.layers.2", ""))
+    assert fetch < ev.index(("mlp.down_proj", "model.layers.1", ""))  # the plain layer 1 also hides the copy
     oc.detach()
     assert layer_funcs(model) == before
 
@@ -132,10 +200,31 @@ def test_peft_lora_parity():
     model.train()
     ref = step(model)
     assert any("lora_A" in k for k in ref[1])
-    oc = OffloadedCheckpointing(mode=True)
+    oc = OffloadedCheckpointing(mode=True, trace=100)
     assert oc.attach(model)  # the PeftModel: unwrapped to the transformers model inside
     assert_same(ref, step(model))
-    assert oc.stats.packs == LAYERS
+    s = oc.stats
+    assert s.packs == LAYERS and s.prefetch_hits == s.prefetch_after_ffn == LAYERS - 1
+    assert oc.trace[0][1] == "model.layers.3"  # names inside the unwrapped transformers model
+    oc.detach()
+
+
+def test_moe_layers_prefetch_after_the_sparse_block():
+    """In an MoE model the layer's ``mlp`` is the sparse expert block: same trigger, same bitwise parity."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         num_experts=4, num_experts_per_tok=2, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, max_position_embeddings=256, attn_implementation="sdpa")
+    model = Qwen3MoeForCausalLM(cfg).float()
+    model.train()
+    model.gradient_checkpointing_enable()
+    ref = step(model)
+    oc = OffloadedCheckpointing(mode=True)
+    assert oc.attach(model)
+    assert_same(ref, step(model))
+    assert oc.stats.prefetch_hits == oc.stats.prefetch_after_ffn == 2
     oc.detach()
 
 
@@ -235,7 +324,7 @@ def test_corrupted_restore_is_detected(gc_model, monkeypatch):
     oc.detach()
 
 
-def test_vram_tight_falls_back_to_one_buffer(gc_model, monkeypatch, caplog):
+def test_vram_tight_skips_the_prefetch(gc_model, monkeypatch, caplog):
     ref = step(gc_model)
     monkeypatch.setattr(_Lane, "_room_for", lambda self, nbytes: False)
     oc = OffloadedCheckpointing(mode=True)
@@ -243,8 +332,10 @@ def test_vram_tight_falls_back_to_one_buffer(gc_model, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="nbkit.offload"):
         assert_same(ref, step(gc_model))
         assert_same(ref, step(gc_model))
-    assert oc.stats.buffers == 1 and oc.stats.buffer_allocs == 2  # one per step
-    assert sum("one restore buffer" in r.getMessage() for r in caplog.records) == 1
+    s = oc.stats
+    assert s.prefetch_skipped == 2 * (LAYERS - 1) and s.prefetch_issued == s.prefetch_hits == 0
+    assert s.buffer_allocs == 2 * LAYERS  # one synchronous restore per layer
+    assert sum("VRAM is tight" in r.getMessage() for r in caplog.records) == 1
     oc.detach()
 
 
@@ -259,7 +350,7 @@ def test_host_memory_exhausted_keeps_inputs(gc_model, monkeypatch, caplog):
     oc.attach(gc_model)
     with caplog.at_level(logging.WARNING, logger="nbkit.offload"):
         assert_same(ref, step(gc_model))
-    assert oc.stats.packs == 0 and oc.stats.kept == LAYERS
+    assert oc.stats.packs == 0 and oc.stats.kept == oc.stats.host_short == LAYERS
     assert sum("host memory exhausted" in r.getMessage() for r in caplog.records) == 1
     oc.detach()
 
@@ -324,6 +415,90 @@ def test_input_released_after_pack():
     assert holders(offload=True) < holders(offload=False)
 
 
+class MlpBlock(Block):
+    """A block with an ``mlp`` submodule; ``cut``: its output is detached (its gradient hook never fires);
+    ``frozen_input``: it reads a detached input (nothing to hook)."""
+
+    def __init__(self, cut: bool = False, frozen_input: bool = False) -> None:
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.SiLU(), torch.nn.Linear(64, 32))
+        self.cut, self.frozen_input = cut, frozen_input
+
+    def forward(self, h, shared):
+        a = h + torch.tanh(self.lin(h)) * shared
+        m = self.mlp(a.detach() if self.frozen_input else a)
+        return a + (m.detach() if self.cut else m)
+
+
+def _stack_grads(blocks, offload: Optional[OffloadedCheckpointing]):
+    torch.manual_seed(1)
+    x = torch.randn(8, 32, requires_grad=True)
+    shared = torch.rand(8, 32)
+    blocks.zero_grad(set_to_none=True)
+    if offload is not None:
+        assert offload.attach(blocks)
+    out = run_stack(blocks, x, shared).square().sum()
+    out.backward()
+    grads = [x.grad] + [p.grad.clone() for p in blocks.parameters() if p.grad is not None]
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("kind", ["no_mlp", "mlp_without_grad_input", "mlp_hook_never_fires", "mlp"])
+def test_prefetch_fallbacks_keep_parity(kind):
+    """No ``mlp``, or an MLP input without gradient: prefetch at unpack, as before. An MLP whose backward never runs:
+    nothing is prefetched and each restore is a synchronous copy. All of them: the plain loss and gradients."""
+    torch.manual_seed(0)
+    make = {"no_mlp": Block, "mlp_without_grad_input": lambda: MlpBlock(frozen_input=True),
+            "mlp_hook_never_fires": lambda: MlpBlock(cut=True), "mlp": MlpBlock}[kind]
+    blocks = torch.nn.ModuleList(make() for _ in range(3))
+    ref = _stack_grads(blocks, None)
+    oc = OffloadedCheckpointing(mode=True, trace=100)
+    got = _stack_grads(blocks, oc)
+    assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    s = oc.stats
+    assert s.packs == s.unpacks == 3
+    fetches = [e[2] for e in oc.trace if e[0] == "prefetch"]
+    if kind == "mlp_hook_never_fires":
+        assert fetches == [] and s.prefetch_hits == 0 and s.buffer_allocs == 3
+    elif kind == "mlp":
+        assert fetches == ["after_ffn"] * 2 and s.prefetch_hits == 2
+    else:
+        assert fetches == ["at_unpack"] * 2 and s.prefetch_hits == 2
+    oc.detach()
+
+
+def test_aborted_backward_then_reset():
+    """A backward that raises half-way leaves a prefetched buffer; ``reset`` (or the next forward) drops it."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(MlpBlock() for _ in range(3))
+    ref = _stack_grads(blocks, None)
+    oc = OffloadedCheckpointing(mode=True)
+    assert oc.attach(blocks)
+    lane_staged = []
+
+    class Abort(Exception):
+        pass
+
+    def stop(grad):
+        lane_staged.append(next(iter(oc._lanes.values())).staged is not None)
+        raise Abort
+
+    x = torch.randn(8, 32, requires_grad=True)
+    h = blocks[0]._gradient_checkpointing_func(blocks[0].__call__, x, torch.ones(8, 32))
+    h = blocks[1]._gradient_checkpointing_func(blocks[1].__call__, h, torch.ones(8, 32))
+    h.register_hook(stop)  # fires after block 2's backward, which prefetched block 1's input
+    out = blocks[2]._gradient_checkpointing_func(blocks[2].__call__, h, torch.ones(8, 32))
+    with pytest.raises(Abort):
+        out.sum().backward()
+    assert lane_staged == [True]
+    del out, h
+    oc.reset()
+    assert all(lane.staged is None for lane in oc._lanes.values())
+    oc.detach()
+    got = _stack_grads(blocks, OffloadedCheckpointing(mode=True))
+    assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+
+
 # ------------------------------------------------------------------------------------- benchmark helpers (pure logic)
 
 
@@ -337,14 +512,130 @@ def test_copy_overlap_from_a_synthetic_trace():
     trace = {"traceEvents": [
         ev("kernel", "gemm", 0, 100, 7),
         ev("kernel", "gemm", 150, 100, 7),
+        ev("kernel", "gemm", 400, 100, 7),
         ev("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 50, 100, 20, 64 * 2**20),  # 50 of 100 us under compute
         ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 260, 40, 20, 64 * 2**20),  # none under compute
+        ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 410, 40, 20, 64 * 2**20),  # all under compute
+        ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 420, 20, 7, 64 * 2**20),  # on the compute stream: none
         ev("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", 0, 5, 7, 4),  # tiny: ignored
     ]}
     out = copy_overlap(trace)
     assert out["DtoH"]["count"] == 1 and out["DtoH"]["overlap"] == pytest.approx(0.5)
     assert out["DtoH"]["gb_per_s"] == pytest.approx(64 * 2**20 / 100e3)
-    assert out["HtoD"]["overlap"] == 0.0 and out["HtoD"]["streams"] == [20]
+    # per copy, only kernels on other streams count: the side-stream copy at 410 is covered by stream 7's kernel
+    assert out["HtoD"]["count"] == 3 and out["HtoD"]["overlap"] == pytest.approx(40 / 100)
+    assert out["HtoD"]["streams"] == [7, 20]
+
+
+def _search_on(peak, cap, prior, first=32768, res=8192):
+    """Drive the benchmark's next-try rule against a made-up GPU (``peak(tokens)`` GiB; fits while <= cap)."""
+    from nbkit.bench.offload import _next_try, _predict_max
+
+    probes, lo, hi = [], 0, None
+    pred = _predict_max(probes, cap, prior)
+    t = _next_try(0, None, res, pred) if pred is not None else first
+    while t is not None and len(probes) < 25:
+        ok = peak(t) <= cap
+        probes.append(dict(tokens=t, outcome="ok" if ok else "failed", peak_gib=peak(t) if ok else 0.0, host_short=0))
+        if ok:
+            lo = max(lo, t)
+        elif hi is None or t < hi:
+            hi = t
+        t = _next_try(lo, hi, res, _predict_max(probes, cap, prior))
+    return lo, hi, [(p["tokens"], p["outcome"]) for p in probes]
+
+
+def test_longest_search_converges():
+    """The search's rule: a right prior takes two tries, failure first; a wrong one or none still brackets the
+    limit (180,000 tokens here) to the 8K resolution in a few."""
+    peak = lambda t: 10 + 0.0005 * t  # noqa: E731
+    lo, hi, tries = _search_on(peak, 100.0, (100000, 60.0, 0.0005))
+    assert lo <= 180000 < hi and hi - lo <= 8192
+    assert tries == [(180224, "failed"), (172032, "ok")]
+    for prior in [(100000, 50.0, 0.0004), (50000, 80.0, 0.0008), None]:
+        lo, hi, tries = _search_on(peak, 100.0, prior)
+        assert lo <= 180000 < hi and hi - lo <= 8192 and len(tries) <= 7, (prior, tries)
+    lo, hi, tries = _search_on(lambda t: 200.0, 100.0, None)  # nothing fits
+    assert lo == 0 and tries[-1][0] <= 8192
+
+
+def test_longest_host_limits_and_failure_kinds():
+    from nbkit.bench.offload import GiB, _failure_kind, host_limit_tokens, host_need
+
+    assert host_need("ckpt_offload", 40, 204800, 5120) == 40 * 2**31  # torch rounds pinned blocks to powers of two
+    assert host_need("ckpt_offload", 40, 212992, 5120) == 40 * 2**32
+    assert host_need("nbkit_double", 40, 212992, 5120) == 40 * 212992 * 10240 and host_need("ckpt", 40, 8, 8) == 0
+    assert host_limit_tokens("ckpt_offload", 40, 5120, 100 * GiB) == 2**31 // 10240
+    assert host_limit_tokens("nbkit_double", 40, 5120, 100 * GiB) == 100 * GiB // (40 * 10240)
+    assert host_limit_tokens("ckpt", 40, 5120, 100 * GiB) is None
+
+    def pack_to_cpu():  # the name of save_on_cpu's pack hook: a pinned allocation failing there is the host's
+        raise RuntimeError("CUDA error: out of memory")
+
+    with pytest.raises(RuntimeError) as info:
+        pack_to_cpu()
+    assert _failure_kind(info.value) == "host RAM"
+    assert _failure_kind(RuntimeError("CUDA error: out of memory")) == "CUDA OOM"
+    assert _failure_kind(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")) == "CUDA OOM"
+    assert _failure_kind(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED")) == "CUDA OOM"
+    assert _failure_kind(RuntimeError("DefaultCPUAllocator: can't allocate memory")) == "host RAM"
+    assert _failure_kind(ValueError("shape mismatch")) is None
+
+
+def test_host_check_counts_and_reclaims_torch_pinned_cache(gc_model, monkeypatch):
+    """Host room is MemAvailable plus torch's idle pinned blocks; the pool gives those back before it gives up."""
+    import nbkit.offload as off
+
+    G = 2**30
+    monkeypatch.setattr(off, "_torch_host_cache_idle", lambda: 30 * G)
+    assert off.host_available({"MemTotal": 128 * G, "MemAvailable": 10 * G}) == 40 * G
+    assert off.host_available({}) is None
+    released = []
+    meminfo = {"MemAvailable": 2 * G}  # short before the release, plenty after it
+    monkeypatch.setattr(off, "_meminfo", lambda: dict(meminfo))
+    monkeypatch.setattr(off, "_torch_host_cache_idle", lambda: 0 if released else 30 * G)
+
+    def release():
+        released.append(1)
+        meminfo["MemAvailable"] = 32 * G
+
+    monkeypatch.setattr(off, "release_host_cache", release)
+    ref = step(gc_model)
+    oc = OffloadedCheckpointing(mode=True)
+    oc.attach(gc_model)
+    assert_same(ref, step(gc_model))
+    assert released and oc.stats.packs == LAYERS and oc.stats.host_short == 0
+    oc.detach()
+    monkeypatch.setattr(off, "release_host_cache", lambda: None)  # nothing to give back: inputs stay on the GPU
+    meminfo["MemAvailable"] = 2 * G
+    oc = OffloadedCheckpointing(mode=True)
+    oc.attach(gc_model)
+    assert_same(ref, step(gc_model))
+    assert oc.stats.packs == 0 and oc.stats.host_short == LAYERS
+    oc.detach()
+
+
+@pytest.mark.parametrize("probe", ["peak", "full", "time cap"])
+def test_longest_try_stops_past_the_peak(gc_model, probe):
+    """A 'peak' try runs the backward of the last layers only; 'full' all of it; a try past its deadline is cut."""
+    import argparse
+    import time
+
+    from nbkit.bench.offload import _probe
+
+    done = []
+    for i, layer in enumerate(gc_model.model.layers):
+        def mark(module, args, i=i):
+            if torch.is_grad_enabled() and args[0].requires_grad and not getattr(module, "_marked", False):
+                module._marked = True  # the forward's call only (the recompute calls it again)
+                args[0].register_hook(lambda g: done.append(i))
+        layer.register_forward_pre_hook(mark)
+    args = argparse.Namespace(longest_probe="full" if probe == "full" else "peak", longest_peak_layers=2)
+    deadline = time.monotonic() + (-1 if probe == "time cap" else 60)
+    r = _probe(gc_model, gc_model, "ckpt", 128, "cpu", None, args, deadline)
+    assert r["outcome"] == ("time cap" if probe == "time cap" else "ok") and r["kind"] is None
+    assert done == {"peak": [3, 2], "full": [3, 2, 1, 0], "time cap": []}[probe]
+    assert all(p.grad is None for p in gc_model.parameters())  # the try leaves nothing behind
 
 
 def test_packed_batch_is_like_trl_padding_free():
@@ -366,5 +657,16 @@ def test_pool_grows_by_replacing_slots(gc_model):
         ids = torch.randint(0, 128, (1, tokens))
         gc_model(input_ids=ids, labels=ids).loss.backward()
     assert oc.stats.host_allocs == 2 * LAYERS  # sized on the first step, grown once
-    assert oc.stats.host_bytes == LAYERS * 96 * 64 * 4  # only the larger slots remain
+    assert oc.stats.host_bytes == LAYERS * slot_bytes(96 * 64 * 4)  # only the larger slots remain
+    oc.detach()
+
+
+def test_slightly_longer_rows_reuse_the_slots(gc_model):
+    """Packed rows vary by a few tokens between steps: within 1/16 the first step's slots are reused, not regrown."""
+    oc = OffloadedCheckpointing(mode=True)
+    oc.attach(gc_model)
+    for tokens in (96, 100, 98):
+        ids = torch.randint(0, 128, (1, tokens))
+        gc_model(input_ids=ids, labels=ids).loss.backward()
+    assert oc.stats.host_allocs == LAYERS
     oc.detach()

@@ -1,4 +1,5 @@
-"""GPU tests for nbkit.moe (bf16 on CUDA): parity, no host sync in the grouped path, empty experts.
+"""GPU tests for nbkit.moe (bf16 on CUDA): parity (full fine-tune, LoRA fused and unfused), no host sync in the
+grouped path, empty experts.
 
 Tolerance: for every output and gradient, the relative error ``||a - ref|| / ||ref||`` against an fp32 reference
 (the eager experts on fp32 copies of the same weights) is below 5e-2, and no more than 1.5x (+2e-3) the error of
@@ -115,7 +116,7 @@ def test_grouped_path_has_no_host_sync(family, lora):
     fm = FastMoERouting()
     assert fm.attach(holder) and bool(fm._bypassed) == lora
     plan = (holder.experts.get_base_layer() if lora else holder.experts)._nbkit_moe_plan
-    assert plan.backend == "grouped" and plan.kern is not None
+    assert plan.backend == "grouped" and plan.kern is not None and plan.lora_kern is not None  # LoRA: fused path
     x, logits, index = _routing(4)
     x = x.bfloat16().requires_grad_(True)
     logits = logits.bfloat16().requires_grad_(True)
@@ -151,8 +152,12 @@ def test_empty_experts_get_zero_grads_grouped():
         assert torch.isfinite(g).all()
 
 
-def test_lora_bf16_matches_peft():
-    """LoRA r=16 on both expert tensors: nbkit vs PEFT's parametrization path, bf16 (LoRA A/B grads, dx)."""
+@pytest.mark.parametrize("r", [16, 12])
+@pytest.mark.parametrize("lora", ["fused", "unfused"])
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_lora_bf16_matches_peft(family, lora, r):
+    """LoRA on both expert tensors: nbkit (fused LoRA kernels, or the separate low-rank products) vs PEFT's
+    parametrization path, bf16 (out, dx, LoRA A/B grads); r=12 is padded (rank block 16, grouped_mm rank 16)."""
     from peft import LoraConfig, inject_adapter_in_model
 
     moe.register()
@@ -160,8 +165,8 @@ def test_lora_bf16_matches_peft():
     results = {}
     for name in ("peft_fp32", "peft_bf16", "nbkit"):
         dtype = torch.float32 if name == "peft_fp32" else torch.bfloat16
-        holder = _Holder(_experts("gpt_oss", 4))
-        cfg = LoraConfig(r=16, lora_alpha=32, target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+        holder = _Holder(_experts(family, 4))
+        cfg = LoraConfig(r=r, lora_alpha=2 * r, target_parameters=["experts.gate_up_proj", "experts.down_proj"])
         holder = inject_adapter_in_model(cfg, holder)
         torch.manual_seed(2)
         for n, p in holder.named_parameters():
@@ -170,14 +175,15 @@ def test_lora_bf16_matches_peft():
         holder = holder.to(dtype)
         experts = holder.experts.get_base_layer()
         experts.config._experts_implementation = "grouped_mm" if dtype == torch.bfloat16 else "eager"
-        fm = FastMoERouting()
+        fm = FastMoERouting(lora=lora)
         if name == "nbkit":
             assert fm.attach(holder)
+            assert (experts._nbkit_moe_plan.lora_kern is not None) == (lora == "fused")
         xx = x.to(dtype).requires_grad_(True)
         out = holder.experts(xx, index, logits.gather(1, index).softmax(-1).to(dtype))
         probe = torch.linspace(-1, 1, out.numel(), device=DEV).view_as(out).to(dtype)
-        lora = [p for n, p in holder.named_parameters() if "lora_" in n]
-        grads = torch.autograd.grad((out * probe).sum(), [xx, *lora])
+        factors = [p for n, p in holder.named_parameters() if "lora_" in n]
+        grads = torch.autograd.grad((out * probe).sum(), [xx, *factors])
         results[name] = [t.float() for t in (out, *grads)]
         fm.detach()
-    _check(results["nbkit"], results["peft_fp32"], results["peft_bf16"], "lora gpt_oss")
+    _check(results["nbkit"], results["peft_fp32"], results["peft_bf16"], f"lora {family} {lora} r={r}")
