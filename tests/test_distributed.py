@@ -165,7 +165,7 @@ def test_packed_metadata_is_per_rank(runs):
 @pytest.mark.slow
 def test_speedups_attach_and_run_on_every_rank(runs):
     one, two = runs["one"], runs["two"]
-    expected = ["cached_packing(sdpa_loop)", "fast_moe_routing", "offload_checkpointing"]
+    expected = ["cached_packing(sdpa_loop)", "fast_moe_routing", "fused_lora", "offload_checkpointing"]
     assert one["attached"] == expected
     for rec in two:
         assert rec["attached"] == expected
