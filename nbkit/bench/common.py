@@ -12,7 +12,7 @@ import os
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -114,6 +114,28 @@ class TimedStepMixin:
         out = super().compute_loss(*args, **kwargs)
         self._nbkit_fwd_end.record()
         return out
+
+
+def timed_trainer(fast: bool) -> type:
+    """A FastSFT (``fast``) or SFTTrainer subclass with ``TimedStepMixin``: the trainer every bench path times."""
+    from trl import SFTTrainer
+
+    from nbkit import FastSFT
+
+    base = FastSFT if fast else SFTTrainer
+    return type(f"Timed{base.__name__}", (TimedStepMixin, base), {})
+
+
+def failed_row(path: str, exc: BaseException, **extra: Any) -> dict:
+    """The row of a path that raised (one failing path must not lose the others' numbers); frees its memory."""
+    import gc
+    import traceback
+
+    traceback.print_exc()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"path": path, **extra, "error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
 def summarize(name: str, times: StepTimes, warmup: int, peak_bytes: int, extra: dict[str, Any] | None = None) -> dict:

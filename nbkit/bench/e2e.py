@@ -31,7 +31,6 @@ import os
 import re
 import tempfile
 import time
-import traceback
 from collections import defaultdict
 from typing import Any
 
@@ -39,7 +38,7 @@ import torch
 
 from nbkit.demo.tokenizer import load_demo_tokenizer
 
-from .common import StepTimer, TimedStepMixin, environment, markdown_table, packed_token_dataset, peak_memory, summarize, write_results
+from .common import StepTimer, environment, failed_row, timed_trainer, markdown_table, packed_token_dataset, peak_memory, summarize, write_results
 
 SHAPES = {
     "1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
@@ -229,9 +228,9 @@ def profile_tables(prof: Any, steps: int) -> str:
 
 def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Namespace, profile: bool) -> tuple[dict, torch.nn.Module, str]:
     from peft import LoraConfig
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTConfig
 
-    from nbkit import FastSFT, FastSFTConfig
+    from nbkit import FastSFTConfig
 
     name, overrides = parse_path(spec)
     tiny = args.tiny
@@ -245,10 +244,10 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
         common["use_liger_kernel"] = True
     timer = StepTimer()
     if name.startswith("fastsft"):
-        cls = type("TimedFastSFT", (TimedStepMixin, FastSFT), {})
+        cls = timed_trainer(fast=True)
         config = FastSFTConfig(**common, live_dashboard=False, **overrides)
     else:
-        cls = type("TimedSFT", (TimedStepMixin, SFTTrainer), {})
+        cls = timed_trainer(fast=False)
         config = SFTConfig(**common, **overrides)
     base.set_attn_implementation("sdpa")
     peft_config = LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, lora_dropout=0.0, task_type="CAUSAL_LM")
@@ -320,12 +319,8 @@ def main(argv: list[str] | None = None) -> None:
                 if text:
                     print(f"\n### profile of {spec} ({shape}, {args.tokens} tokens)\n\n{text}\n", flush=True)
                     results.setdefault("profiles", {})[f"{spec}@{args.tokens}"] = text
-            except Exception as exc:  # one failing path must not lose the others' numbers
-                traceback.print_exc()
-                rows.append({"path": spec, "error": f"{type(exc).__name__}: {exc}"})
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+            except Exception as exc:
+                rows.append(failed_row(spec, exc))
             print({k: v for k, v in rows[-1].items() if not isinstance(v, list)}, flush=True)
         base_name = "sft" if "sft" in paths else None
         table = markdown_table(rows, baseline=base_name)

@@ -47,14 +47,14 @@ import argparse
 import gc
 import math
 import tempfile
-import traceback
 from typing import Any, Optional
 
 import torch
 
 from .common import (
     StepTimer,
-    TimedStepMixin,
+    failed_row,
+    timed_trainer,
     environment,
     markdown_table,
     packed_token_dataset,
@@ -121,9 +121,9 @@ def run_path(path: str, dataset, args: argparse.Namespace) -> dict:
 
 def _run_path(path: str, dataset, args: argparse.Namespace, output_dir: str) -> dict:
     from peft import LoraConfig
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTConfig
 
-    from nbkit import FastSFT, FastSFTConfig
+    from nbkit import FastSFTConfig
     from nbkit.demo.tokenizer import load_demo_tokenizer
 
     lora = path.endswith(("_lora", "_lora_noroute"))
@@ -142,10 +142,10 @@ def _run_path(path: str, dataset, args: argparse.Namespace, output_dir: str) -> 
                                  target_parameters=LORA_EXPERTS)
     timer = _StepTotals()
     if path.startswith("fast"):
-        trainer_cls = type("TimedFastSFT", (TimedStepMixin, FastSFT), {})
+        trainer_cls = timed_trainer(fast=True)
         config = FastSFTConfig(**common, fast_moe_routing=not path.endswith("noroute"), live_dashboard=False)
     else:
-        trainer_cls = type("TimedSFT", (TimedStepMixin, SFTTrainer), {})
+        trainer_cls = timed_trainer(fast=False)
         config = SFTConfig(**common)
     trainer = trainer_cls(model=model, args=config, train_dataset=dataset, peft_config=peft_config, callbacks=[timer],
                           processing_class=load_demo_tokenizer())  # only its pad/eos ids are used: data is token ids
@@ -232,10 +232,8 @@ def run(argv: Optional[list[str]] = None) -> list[dict]:
             raise SystemExit(f"unknown path {path!r}: choose from {', '.join(PATHS)}")
         try:
             rows.append(run_path(path, dataset, args))
-        except Exception as exc:  # one failing path must not lose the others' numbers
-            traceback.print_exc()
-            rows.append({"path": path, "label": LABELS[path], "error": f"{type(exc).__name__}: {exc}"[:300]})
-            _free()
+        except Exception as exc:
+            rows.append(failed_row(path, exc, label=LABELS[path]))
         shown = {k: v for k, v in rows[-1].items() if k not in ("step_ms_all", "tokens_all")}
         print(shown, flush=True)
     env = environment()

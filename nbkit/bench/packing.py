@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import traceback
 
 import torch
 
@@ -24,7 +23,8 @@ from nbkit.demo.tokenizer import load_demo_tokenizer
 
 from .common import (
     StepTimer,
-    TimedStepMixin,
+    failed_row,
+    timed_trainer,
     environment,
     markdown_table,
     packed_token_dataset,
@@ -62,9 +62,9 @@ def build_model(attn: str, layers: int | None, tiny: bool = False, seed: int = 0
 
 def run_path(path: str, dataset, args) -> dict:
     from peft import LoraConfig
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTConfig
 
-    from nbkit import FastSFT, FastSFTConfig
+    from nbkit import FastSFTConfig
 
     attn = {"sdpa": "sdpa", "flex": "flex_attention"}.get(path, "sdpa")
     model = build_model(attn, args.layers, args.tiny)
@@ -77,12 +77,12 @@ def run_path(path: str, dataset, args) -> dict:
     timer = StepTimer()
     if path.startswith("nbkit"):
         kernel = path.split("_", 1)[1] if "_" in path else "auto"
-        trainer_cls = type("TimedFastSFT", (TimedStepMixin, FastSFT), {})
+        trainer_cls = timed_trainer(fast=True)
         # packing alone: the other speedups are off so the ratio is this speedup's own
         config = FastSFTConfig(**common, attention_kernel=kernel, offload_checkpointing=False, fast_moe_routing=False,
                                live_dashboard=False)
     else:
-        trainer_cls = type("TimedSFT", (TimedStepMixin, SFTTrainer), {})
+        trainer_cls = timed_trainer(fast=False)
         config = SFTConfig(**common)
     trainer = trainer_cls(model=model, args=config, train_dataset=dataset, peft_config=peft_config, callbacks=[timer],
                           processing_class=load_demo_tokenizer())  # only its pad/eos ids are used: data is token ids
@@ -118,12 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     for path in args.paths.split(","):
         try:
             rows.append(run_path(path, dataset, args))
-        except Exception as exc:  # one failing path must not lose the others' numbers
-            traceback.print_exc()
-            rows.append({"path": path, "error": f"{type(exc).__name__}: {exc}"})
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        except Exception as exc:
+            rows.append(failed_row(path, exc))
         print(rows[-1], flush=True)
     env = environment()
     write_results("bench_packing", {"env": env, "args": vars(args), "rows": rows})
