@@ -121,6 +121,51 @@ def test_4bit_base_matches_peft(one_thread):
         assert _rel(a, b) <= 1e-5
 
 
+def test_checkpoint_recompute_skips_the_final_base_gemm(one_thread, monkeypatch):
+    """Non-reentrant checkpoint stops recomputing once the last saved tensor is back: the final projection's base
+    GEMM (whose output backward never reads) runs twice per step, not three times; gradients unchanged."""
+    import nbkit.lora as lora
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    calls: dict[int, int] = {}
+    real = lora._dense_weight
+
+    def counting(base: nn.Linear):
+        inner = real(base)
+
+        def weight(dtype: torch.dtype) -> torch.Tensor:
+            calls[base.out_features] = calls.get(base.out_features, 0) + 1
+            return inner(dtype)
+        return weight
+
+    monkeypatch.setattr(lora, "_dense_weight", counting)
+    model = _peft()
+    x = torch.randn(2, 6, 32)
+
+    def grads(fused: bool, early_stop: bool = True) -> list[torch.Tensor]:
+        speedup = FusedLoRA()
+        if fused:
+            assert speedup.attach(model)
+        model.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        try:
+            with set_checkpoint_early_stop(early_stop):
+                y = checkpoint(model, xi, use_reentrant=False)
+            (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+        finally:
+            speedup.detach()
+        return [xi.grad] + [p.grad.clone() for _, p in sorted(model.named_parameters()) if p.requires_grad]
+
+    plain = grads(False)
+    fused = grads(True)
+    assert calls == {48: 3, 32: 2}  # q_proj: forward, recompute, backward; o_proj: forward, backward
+    calls.clear()
+    no_early = grads(True, early_stop=False)
+    assert calls == {48: 3, 32: 3}  # without early stop the recompute runs the whole block
+    for a, b, c in zip(fused, no_early, plain):
+        assert _rel(a, c) <= 1e-6 and _rel(b, c) <= 1e-6
+
+
 def test_fastsft_losses_unchanged(tmp_path, one_thread):
     from peft import LoraConfig as LC
 
