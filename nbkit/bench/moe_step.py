@@ -38,12 +38,13 @@ Prediction (written before the first run; H200, 4 layers, 16,384 tokens per step
 
     python -m nbkit.bench.moe_step [--layers 4] [--tokens 16384] [--row 4096] [--steps 5] [--warmup 2]
                                    [--paths sft,fast,fast_noroute,sft_lora,fast_lora,fast_lora_noroute]
-                                   [--packing bfd|off] [--tiny]
+                                   [--packing bfd|off] [--tiny] [--profile PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import tempfile
@@ -51,6 +52,7 @@ from typing import Any, Optional
 
 import torch
 
+from .profiling import Profiled, module_ranges, profile_tables
 from .common import (
     StepTimer,
     failed_row,
@@ -141,19 +143,25 @@ def _run_path(path: str, dataset, args: argparse.Namespace, output_dir: str) -> 
         peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_ATTENTION,
                                  target_parameters=LORA_EXPERTS)
     timer = _StepTotals()
+    prof = Profiled(start=args.warmup) if path == args.profile else None
     if path.startswith("fast"):
         trainer_cls = timed_trainer(fast=True)
         config = FastSFTConfig(**common, fast_moe_routing=not path.endswith("noroute"), live_dashboard=False)
     else:
         trainer_cls = timed_trainer(fast=False)
         config = SFTConfig(**common)
-    trainer = trainer_cls(model=model, args=config, train_dataset=dataset, peft_config=peft_config, callbacks=[timer],
+    callbacks = [timer] + ([prof.callback] if prof else [])
+    trainer = trainer_cls(model=model, args=config, train_dataset=dataset, peft_config=peft_config, callbacks=callbacks,
                           processing_class=load_demo_tokenizer())  # only its pad/eos ids are used: data is token ids
     trainer.step_timer = timer
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    trainer.train()
+    with module_ranges(trainer.model) if prof else contextlib.nullcontext():
+        trainer.train()
     peak = peak_memory()
+    if prof and prof.prof is not None:
+        print(f"\n### profile of {path} (gpt-oss, {args.layers} layers, {args.tokens} tokens/step)\n\n"
+              f"{profile_tables(prof.prof, prof.count)}\n", flush=True)
     base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
     extra: dict[str, Any] = {
         "label": LABELS[path],
@@ -215,6 +223,7 @@ def run(argv: Optional[list[str]] = None) -> list[dict]:
                         help="bfd: TRL's packing into --row-token rows; off: one document per row, padded batches of "
                         "about --row tokens (the mode in which plain gpt-oss attention is per-document too)")
     parser.add_argument("--tiny", action="store_true", help="a tiny fp32 gpt-oss on the CPU: checks the script runs")
+    parser.add_argument("--profile", default=None, help="profile two steps of this path (one of --paths)")
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() or args.tiny):
         raise SystemExit("this benchmark needs a CUDA GPU (or --tiny for a CPU smoke run)")

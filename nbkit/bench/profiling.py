@@ -1,0 +1,120 @@
+"""Step profiles for the trainer benchmarks: a callback that profiles chosen optimizer steps, per-module forward
+ranges, and the summary tables (GPU kernel time by category, top kernels, top operators, module ranges)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+
+class Profiled:
+    """Profiles steps ``[start, start + count)`` of a run: a TrainerCallback that owns a torch.profiler session."""
+
+    def __init__(self, start: int, count: int = 2) -> None:
+        from transformers import TrainerCallback
+
+        self.start, self.count, self.prof = start, count, None
+        outer = self
+
+        class _CB(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
+                if state.global_step == outer.start and outer.prof is None:
+                    acts = [torch.profiler.ProfilerActivity.CPU]
+                    if torch.cuda.is_available():
+                        acts.append(torch.profiler.ProfilerActivity.CUDA)
+                    outer.prof = torch.profiler.profile(activities=acts, record_shapes=False)
+                    outer.prof.__enter__()
+
+            def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+                if outer.prof is not None and state.global_step == outer.start + outer.count:
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
+                    outer.prof.__exit__(None, None, None)
+
+        self.callback = _CB()
+
+
+@contextlib.contextmanager
+def module_ranges(model: torch.nn.Module):
+    """Name each decoder submodule's forward (by type) in the profile: ``fwd:<attr>`` ranges around its calls."""
+    from torch.autograd.profiler import record_function
+
+    handles, stack = [], []
+    wanted = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "rotary_emb",
+              "embed_tokens", "norm"}
+    for name, mod in model.named_modules():
+        attr = name.rsplit(".", 1)[-1]
+        if attr in wanted or attr.endswith("_proj") and "lora" not in name and name.count("base_layer") == 0:
+            label = f"fwd:{attr}"
+
+            def pre(m, a, label=label):  # noqa: ANN001
+                r = record_function(label)
+                r.__enter__()
+                stack.append(r)
+
+            def post(m, a, o):  # noqa: ANN001
+                if stack:
+                    stack.pop().__exit__(None, None, None)
+
+            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# first match wins: attention before GEMM (flash kernels' names carry "cutlass" template arguments)
+KERNEL_CATEGORIES = [
+    ("attention", r"flash|fmha|attention|varlen"),
+    ("host copies (offload, side stream)", r"^Memcpy [DH]to[HD]"),
+    ("matmul (GEMM)", r"gemm|cutlass|sm90_|sm100_|nvjet|cublas|splitk|xmma|_mm_"),
+    ("bnb dequant", r"dequant|kDequant|kgemm_4bit"),
+    ("triton", r"^triton_|_kernel$|liger|_fwd|_bwd"),
+    ("copy / cast", r"copy|Copy|cast|convert"),
+    ("reduction", r"reduce|Reduce|norm"),
+    ("elementwise", r"elementwise|vectorized|Elementwise|unrolled"),
+    ("memset / fill", r"memset|fill|Fill|zero"),
+]
+
+
+def profile_tables(prof: Any, steps: int) -> str:
+    """Kernel time (ms per step) by category, the top kernels, the top operators, forward ranges per module."""
+    cats: dict[str, float] = defaultdict(float)
+    kernels: dict[str, float] = defaultdict(float)
+    total = 0.0
+    for e in prof.events():
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA or e.name.startswith(("fwd:", "autograd::")):
+            continue  # the module ranges are annotations, not kernels
+        t = e.device_time / 1000.0 / steps  # us -> ms per step
+        total += t
+        kernels[e.name[:90]] += t
+        for cat, rx in KERNEL_CATEGORIES:
+            if re.search(rx, e.name):
+                cats[cat] += t
+                break
+        else:
+            cats["other"] += t
+    lines = [f"GPU kernel time per step: {total:,.1f} ms", "", "| category | ms/step | share |", "|---|---|---|"]
+    lines += [f"| {c} | {t:,.1f} | {t / max(total, 1e-9):.1%} |" for c, t in sorted(cats.items(), key=lambda x: -x[1])]
+    lines += ["", "| top kernels | ms/step |", "|---|---|"]
+    lines += [f"| `{k}` | {t:,.2f} |" for k, t in sorted(kernels.items(), key=lambda x: -x[1])[:25]]
+    ops = prof.key_averages()
+    dev = lambda e: getattr(e, "self_device_time_total", 0.0)  # noqa: E731
+    lines += ["", "| top operators (self GPU time) | ms/step | calls/step |", "|---|---|---|"]
+    for e in sorted(ops, key=lambda e: -dev(e))[:25]:
+        if dev(e) <= 0:
+            break
+        lines.append(f"| `{e.key[:80]}` | {dev(e) / 1000 / steps:,.2f} | {e.count / steps:,.0f} |")
+    tot = lambda e: getattr(e, "device_time_total", 0.0)  # noqa: E731
+    lines += ["", "| module forward ranges (incl. recompute) and backward nodes | GPU ms/step | calls/step |",
+              "|---|---|---|"]
+    rows = [e for e in ops if e.key.startswith("fwd:") or e.key.startswith("autograd::engine::evaluate_function")]
+    for e in sorted(rows, key=lambda e: -tot(e))[:30]:
+        lines.append(f"| `{e.key.replace('autograd::engine::evaluate_function: ', 'bwd:')[:80]}` | "
+                     f"{tot(e) / 1000 / steps:,.1f} | {e.count / steps:,.0f} |")
+    return "\n".join(lines)
