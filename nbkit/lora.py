@@ -48,8 +48,8 @@ class _LoRAProduct(torch.autograd.Function):
                 scaling: float, link: dict) -> torch.Tensor:
         a, b = lora_a.to(x2.dtype), lora_b.to(x2.dtype)
         xa = torch.mm(x2, a.t())
-        # beta=0: the scalar is never read; the scale is applied in the GEMM's fp32 epilogue
-        start = bias.to(x2.dtype) if bias is not None else x2.new_zeros(())
+        # beta=0: the (uninitialized) scalar is never read; the scale is applied in the GEMM's fp32 epilogue
+        start = bias.to(x2.dtype) if bias is not None else x2.new_empty(())
         y = torch.addmm(start, xa, b.t(), beta=1 if bias is not None else 0, alpha=scaling)
         ctx.save_for_backward(x2, xa, a, b)
         ctx.scaling, ctx.link, ctx.param_dtypes = scaling, link, (lora_a.dtype, lora_b.dtype)

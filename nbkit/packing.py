@@ -17,7 +17,8 @@ Contract:
 - ``"nbkit"`` is deliberately not registered as a mask function: transformers then builds no mask at all.
 
 Kernels, chosen once at attach: ``flash_attn`` (flash-attn's varlen kernel, if installed), ``varlen``
-(``torch.nn.attention.varlen.varlen_attn``, CUDA, fp16/bf16), ``flex`` (flex attention, block mask built once per
+(``torch.nn.attention.varlen.varlen_attn``, CUDA, fp16/bf16; gpt-oss's attention sinks through
+``nbkit.sink_attention`` on the same flash ops), ``flex`` (flex attention, block mask built once per
 forward), ``sdpa_loop`` (one SDPA call per document over the host offsets; never a T x T mask; handles soft-capping
 and attention sinks exactly; the path for CPUs and GPUs without flash kernels such as the T4).
 """
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from .sink_attention import sink_attention, sink_kernel_works
 from .speedup import unwrap_model
 
 logger = logging.getLogger(__name__)
@@ -143,6 +145,8 @@ def _varlen_kernel(q, k, v, run: "PackedRun", call: AttnCall) -> torch.Tensor:
     global _VARLEN_HAS_GQA
     if _VARLEN_HAS_GQA is None:  # read the signature once per process
         _VARLEN_HAS_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters
+    if call.sinks is not None:  # gpt-oss: the same flash kernel, rows rescaled by the sink (nbkit.sink_attention)
+        return sink_attention(q, k, v, call.sinks, run.cu_q, run.max_q, call.scaling, call.window)
     window = (call.window - 1, 0) if call.window is not None else (-1, 0)
     kwargs = {"scale": call.scaling, "window_size": window}
     if _VARLEN_HAS_GQA and q.shape[1] != k.shape[1]:
@@ -258,11 +262,13 @@ def choose_kernel(requested: str, config: Any, device: torch.device) -> tuple[st
         if sinks:
             raise ValueError("flash-attn's varlen kernel has no attention sinks (gpt-oss): use 'auto'")
         return "flash_attn", None
+    sinks_on_varlen = sinks and on_cuda and varlen_available() and sink_kernel_works(device)[0]
     if requested == "varlen":
         if not (on_cuda and varlen_available()):
             raise ValueError("attention_kernel='varlen' needs a CUDA GPU of compute capability 8.0+ (torch varlen)")
-        if softcap or sinks or dropout:
-            raise ValueError("torch's varlen kernel supports no soft-capping, sinks or attention dropout: use 'auto'")
+        if softcap or dropout or (sinks and not sinks_on_varlen):
+            raise ValueError("torch's varlen kernel supports no soft-capping or attention dropout (and sinks only "
+                             "where nbkit's sink probe passes): use 'auto'")
         return "varlen", None
     if requested == "flex":
         if sinks:
@@ -273,7 +279,8 @@ def choose_kernel(requested: str, config: Any, device: torch.device) -> tuple[st
     # auto
     if on_cuda and flash_attn_available() and not sinks:
         return "flash_attn", None
-    needs = [n for n, v in (("logit soft-capping", softcap), ("attention sinks", sinks), ("attention dropout", dropout)) if v]
+    needs = [n for n, v in (("logit soft-capping", softcap), ("attention sinks", sinks and not sinks_on_varlen),
+                            ("attention dropout", dropout)) if v]
     if on_cuda and varlen_available() and not needs:
         return "varlen", None
     if needs:

@@ -60,6 +60,7 @@ class StepTimes:
     fwd_ms: list[float] = field(default_factory=list)
     bwd_ms: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    host_ms: list[float] = field(default_factory=list)  # host time to issue a micro-step (GPU may still be busy)
     losses: list[float] = field(default_factory=list)
     first_step_s: float | None = None
 
@@ -102,9 +103,11 @@ class TimedStepMixin:
         self._nbkit_fwd_end = event()
         end = event()
         self.step_timer.times.tokens.append(int(inputs["input_ids"].numel()))
+        t0 = time.perf_counter()
         start.record()
         out = super().training_step(model, inputs, *args, **kwargs)
         end.record()
+        self.step_timer.times.host_ms.append((time.perf_counter() - t0) * 1000.0)
         end.synchronize()
         self.step_timer.times.fwd_ms.append(start.elapsed_time(self._nbkit_fwd_end))
         self.step_timer.times.bwd_ms.append(self._nbkit_fwd_end.elapsed_time(end))
@@ -155,6 +158,7 @@ def summarize(name: str, times: StepTimes, warmup: int, peak_bytes: int, extra: 
         "step_ms_max": max(steps),
         "fwd_ms": statistics.median(fwd) if fwd else float("nan"),
         "bwd_ms": statistics.median(bwd) if bwd else float("nan"),
+        "host_ms": statistics.median(pick(times.host_ms)) if pick(times.host_ms) else float("nan"),
         "tokens_per_step": statistics.median(toks) if toks else 0,
         "tok_per_s": (sum(toks) / sum(steps) * 1000) if toks else 0.0,
         "peak_gib": peak_bytes / 2**30,

@@ -111,7 +111,7 @@ class _StepTotals(StepTimer):
 
     def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
         super().on_step_end(args, state, control, **kwargs)
-        for name in ("tokens", "fwd_ms", "bwd_ms"):
+        for name in ("tokens", "fwd_ms", "bwd_ms", "host_ms"):
             values = getattr(self.times, name)
             values[self._mark:] = [sum(values[self._mark:])]
 
