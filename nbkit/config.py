@@ -90,7 +90,7 @@ class FastSFTConfig(SFTConfig):
         default="stop",
         metadata={
             "help": "What a NaN/inf training loss does, detected at the micro-batch it appears in, with the batch's "
-            "dataset rows in the message. 'stop': raise NonFiniteLossError before its backward, so the weights and "
+            "dataset rows in the message. 'stop': raise NonFiniteLossError after its backward and before the optimizer step (the check reads the loss where transformers does, so it adds no host sync), so the weights and "
             "checkpoints stay those of the last good step. 'skip': warn and skip that optimizer step (no weight or "
             "optimizer-state update; under fp16 the GradScaler skips it). 'off': TRL's behaviour (no check)."
         },

@@ -237,6 +237,7 @@ class FastSFT(SFTTrainer):
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None):
         """TRL's step; an out-of-memory error frees the step's memory and is re-raised with what to change."""
         self._nbkit_micro += 1
+        self._nbkit_pending_loss = None
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)
         except torch.OutOfMemoryError as error:
@@ -244,6 +245,7 @@ class FastSFT(SFTTrainer):
                 raise
             original = resilience.forget_exception(error)  # its frames hold the step's activations
         else:
+            self._nbkit_check_loss(inputs)
             self._nbkit_end_micro_batch()
             return loss
         del inputs
@@ -274,20 +276,29 @@ class FastSFT(SFTTrainer):
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None):
-        """TRL's loss; in training, a non-finite value is caught here, before its backward (``on_nonfinite_loss``)."""
+        """TRL's loss; in training it is kept for the non-finite check made after its backward (``on_nonfinite_loss``).
+
+        The check is not made here: reading the loss on the host between forward and backward stalls the GPU queue
+        (measured on an H200, Qwen3-1.7B QLoRA 16K: 590 ms vs 499 ms per step). After the backward, transformers reads
+        the loss anyway (``logging_nan_inf_filter``), and nothing has touched the weights yet.
+        """
         result = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                       num_items_in_batch=num_items_in_batch)
-        mode = _switch(self.args, "on_nonfinite_loss")
-        if mode == "off" or not self.model.training:
-            return result
-        loss = result[0] if return_outputs else result
-        finite = torch.isfinite(loss.detach()).all()
+        if self.model.training and _switch(self.args, "on_nonfinite_loss") != "off":
+            self._nbkit_pending_loss = (result[0] if return_outputs else result).detach()
+        return result
+
+    def _nbkit_check_loss(self, inputs: dict[str, Any]) -> None:
+        """After a micro-batch's backward, before any optimizer step: stop or skip on a non-finite loss."""
+        loss, self._nbkit_pending_loss = getattr(self, "_nbkit_pending_loss", None), None
+        if loss is None:
+            return
+        finite = torch.isfinite(loss).all()
         if self.accelerator.num_processes > 1:  # every rank must take the same branch: collectives follow
             finite = self.accelerator.reduce((~finite).to(torch.int32), reduction="sum") == 0
-        if bool(finite):  # the host read transformers makes after the step anyway
-            return result
-        self._nbkit_nonfinite(loss, inputs, mode)
-        return result
+        if bool(finite):  # one host read per micro-batch, where transformers makes its own
+            return
+        self._nbkit_nonfinite(loss, inputs, _switch(self.args, "on_nonfinite_loss"))
 
     def _nbkit_nonfinite(self, loss: torch.Tensor, inputs: dict[str, Any], mode: str) -> None:
         """Raise (``stop``), or record the event and mark the window so its gradients are dropped (``skip``)."""
@@ -313,7 +324,7 @@ class FastSFT(SFTTrainer):
             kept = f"; the last checkpoint, {last}, is intact" if last else ""
             held = f"the weights of step {event.step - 1}" if event.step > 1 else "its initial weights"
             raise resilience.NonFiniteLossError(
-                f"nbkit: {event.describe()}. Training stopped before this batch's backward: the model holds {held}"
+                f"nbkit: {event.describe()}. Training stopped after this batch's backward, before any optimizer step: the model holds {held}"
                 f"{kept}. Look at those rows (an extreme or corrupt example), lower learning_rate or set "
                 "max_grad_norm, or set on_nonfinite_loss='skip' to step over such batches.",
                 event,

@@ -6,7 +6,7 @@
   and the failed step's tensors (a weak reference to a tensor made inside the failing layer must die), and the
   trainer must train again afterwards.
 - Non-finite loss: one dataset row carries a token whose embedding is made NaN by a hook, so exactly the batch that
-  holds it has a NaN loss. "stop" raises at that step with that row named, before the backward, and the checkpoint
+  holds it has a NaN loss. "stop" raises at that step with that row named, before any optimizer step, and the checkpoint
   of the step before holds the weights the model still has; "skip" leaves the weights and optimizer state of that
   step bit-identical (the whole accumulation window) and goes on.
 - Atomic directories: publish, swap, merge, failure, and recovery after a kill between the two renames of a swap.
