@@ -20,7 +20,8 @@ per document as well) gives FastSFT and SFTTrainer the same loss (the CPU test c
 
 Paths: ``sft`` (SFTTrainer: eager attention with a dense causal mask over each row, experts on transformers'
 ``grouped_mm``), ``fast`` (FastSFT defaults: per-document attention with sinks on the varlen kernel,
-``nbkit.sink_attention``, or the exact fp32 loop where its probe fails; nbkit MoE routing), ``fast_noroute`` (FastSFT with ``fast_moe_routing=False``: separates the routing gain from the attention gain), and the same three
+``nbkit.sink_attention``, or the exact fp32 loop where its probe fails; nbkit MoE routing), ``fast_noroute``
+(FastSFT with ``fast_moe_routing=False``: separates the routing gain from the attention gain), and the same three
 with LoRA r=16 (PEFT ``target_parameters`` on both expert tensors + ``target_modules`` q/k/v/o): ``sft_lora``,
 ``fast_lora``, ``fast_lora_noroute``. Full fine-tune rows are compared with ``sft``, LoRA rows with ``sft_lora``.
 
