@@ -116,8 +116,6 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
 
 @functools.lru_cache(maxsize=None)
 def _probe(device_index: int) -> Optional[str]:
-    from .packing import AttnCall, _doc_attention  # the exact fp32 loop is the reference
-
     device = torch.device("cuda", device_index)
     gen = torch.Generator(device="cpu").manual_seed(0)
     lengths, hq, hkv, d = (40, 24), 4, 2, 64
@@ -127,23 +125,31 @@ def _probe(device_index: int) -> Optional[str]:
                for h in (hq, hkv, hkv))
     sinks = torch.randn(hq, generator=gen).to(device).requires_grad_()
     try:
-        for window in (None, 16):
-            out = sink_attention(q, k, v, sinks, cu, max(lengths), d ** -0.5, window)
-            grads = torch.autograd.grad(out.float().square().sum(), (q, k, v, sinks))
-            call = AttnCall(scaling=d ** -0.5, window=window, softcap=None, sinks=sinks, dropout=0.0)
-            ref = []
-            for a, b in zip((0, lengths[0]), (lengths[0], t)):
-                qh, kh, vh = (x[a:b].float().transpose(0, 1) for x in (q, k, v))
-                kh, vh = kh.repeat_interleave(hq // hkv, 0), vh.repeat_interleave(hq // hkv, 0)
-                ref.append(_doc_attention(qh, kh, vh, call, training=False).transpose(0, 1))
-            ref_out = torch.cat(ref)
-            ref_grads = torch.autograd.grad(ref_out.square().sum(), (q, k, v, sinks))
-            for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads), (ref_out, *ref_grads)):
-                err = float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
-                if not err <= 5e-2:
-                    return f"probe mismatch in {name} (window={window}): {err:.2e} relative"
+        with torch.enable_grad(), torch.autocast("cuda", enabled=False):  # attach may run under no_grad/autocast
+            return _compare(q, k, v, sinks, cu, lengths, hq, hkv, d)
     except Exception as error:  # an older torch (no window arguments), a layout we do not know
         return f"{type(error).__name__}: {error}"[:200]
+
+
+def _compare(q, k, v, sinks, cu, lengths, hq, hkv, d) -> Optional[str]:  # noqa: ANN001 - the probe's tensors
+    from .packing import AttnCall, _doc_attention  # the exact fp32 loop is the reference
+
+    bounds = list(zip((0, lengths[0]), (lengths[0], sum(lengths))))
+    for window in (None, 16):
+        out = sink_attention(q, k, v, sinks, cu, max(lengths), d ** -0.5, window)
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v, sinks))
+        call = AttnCall(scaling=d ** -0.5, window=window, softcap=None, sinks=sinks, dropout=0.0)
+        ref = []
+        for a, b in bounds:
+            qh, kh, vh = (x[a:b].float().transpose(0, 1) for x in (q, k, v))
+            kh, vh = kh.repeat_interleave(hq // hkv, 0), vh.repeat_interleave(hq // hkv, 0)
+            ref.append(_doc_attention(qh, kh, vh, call, training=False).transpose(0, 1))
+        ref_out = torch.cat(ref)
+        ref_grads = torch.autograd.grad(ref_out.square().sum(), (q, k, v, sinks))
+        for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads), (ref_out, *ref_grads)):
+            err = float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+            if not err <= 5e-2:
+                return f"probe mismatch in {name} (window={window}): {err:.2e} relative"
     return None
 
 

@@ -115,3 +115,28 @@ def test_sinks_change_the_result():
     low = sink_attention(q, k, v, torch.full((2,), -30.0), cu, 6, 0.5, core=ReferenceCore())
     high = sink_attention(q, k, v, torch.full((2,), 30.0), cu, 6, 0.5, core=ReferenceCore())
     assert high.abs().max() < 1e-6 * low.abs().max()
+
+
+class _PlainOutCore(ReferenceCore):
+    """A core that ignores the output it is handed (uses its own plain one): wrong gradients for sinks."""
+
+    def forward(self, q, k, v, cu, max_len, scale, window):
+        out, lse, state = super().forward(q, k, v, cu, max_len, scale, window)
+        return out, lse, (state[0], out)
+
+    def backward(self, grad, q, k, v, out, state, cu, max_len, scale, window):
+        return super().backward(grad, q, k, v, state[1], state[:1], cu, max_len, scale, window)
+
+
+@pytest.mark.parametrize("core,ok", [(ReferenceCore, True), (_PlainOutCore, False)])
+def test_probe_tells_a_right_core_from_a_wrong_one(monkeypatch, core, ok):
+    import nbkit.sink_attention as sa
+
+    monkeypatch.setattr(sa, "aten_flash_core", core())
+    gen = torch.Generator().manual_seed(0)
+    lengths, hq, hkv, d = (40, 24), 4, 2, 64
+    cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+    q, k, v = (torch.randn(sum(lengths), h, d, generator=gen).requires_grad_() for h in (hq, hkv, hkv))
+    sinks = torch.randn(hq, generator=gen).requires_grad_()
+    reason = sa._compare(q, k, v, sinks, cu, lengths, hq, hkv, d)
+    assert (reason is None) == ok, reason
