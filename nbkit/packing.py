@@ -143,10 +143,10 @@ def _varlen_kernel(q, k, v, run: "PackedRun", call: AttnCall) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
     global _VARLEN_HAS_GQA
-    if _VARLEN_HAS_GQA is None:  # read the signature once per process
-        _VARLEN_HAS_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters
     if call.sinks is not None:  # gpt-oss: the same flash kernel, rows rescaled by the sink (nbkit.sink_attention)
         return sink_attention(q, k, v, call.sinks, run.cu_q, run.max_q, call.scaling, call.window)
+    if _VARLEN_HAS_GQA is None:  # read the signature once per process
+        _VARLEN_HAS_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters
     window = (call.window - 1, 0) if call.window is not None else (-1, 0)
     kwargs = {"scale": call.scaling, "window_size": window}
     if _VARLEN_HAS_GQA and q.shape[1] != k.shape[1]:

@@ -32,8 +32,9 @@ logger = logging.getLogger(__name__)
 
 
 class FlashCore(Protocol):
-    """Causal varlen attention without sinks: the forward returns (out (T,Hq,D), lse (T,Hq) fp32, state for backward);
-    the backward takes the gradient, the inputs, the output to use for the row term, and that state."""
+    """Causal varlen attention without sinks: the forward returns (out (T,Hq,D), lse (T,Hq) fp32, state), the state a
+    tuple of tensors the backward needs (saved with the inputs, so checkpointing recomputes it); the backward takes the
+    gradient, the inputs, the output to use for the row term, and that state."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
                 scale: float, window: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
@@ -86,23 +87,19 @@ class _SinkAttention(torch.autograd.Function):
         out, lse, state = core.forward(q, k, v, cu, max_len, scale, window)
         w = torch.sigmoid(lse.float() - sinks.float()[None, :])  # (T, H): the share of each row off the sink
         out = (out.float() * w[..., None]).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, w, cu, *[t for t in state if isinstance(t, torch.Tensor)])
-        ctx.state_layout = [isinstance(t, torch.Tensor) for t in state]
-        ctx.state_rest = [t for t in state if not isinstance(t, torch.Tensor)]
+        ctx.save_for_backward(q, k, v, out, w, cu, *state)
         ctx.args, ctx.core, ctx.sink_dtype = (max_len, scale, window), core, sinks.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        q, k, v, out, w, cu, *tensors = ctx.saved_tensors
-        tensors, rest = iter(tensors), iter(ctx.state_rest)
-        state = tuple(next(tensors) if is_t else next(rest) for is_t in ctx.state_layout)
+        q, k, v, out, w, cu, *state = ctx.saved_tensors
         g = grad_out.float()
         grad_sinks = None
         if ctx.needs_input_grad[3]:
             grad_sinks = -((g * out.float()).sum(-1) * (1.0 - w)).sum(0).to(ctx.sink_dtype)
         g = (g * w[..., None]).to(q.dtype)
-        dq, dk, dv = ctx.core.backward(g, q, k, v, out, state, cu, *ctx.args)
+        dq, dk, dv = ctx.core.backward(g, q, k, v, out, tuple(state), cu, *ctx.args)
         return dq, dk, dv, grad_sinks, None, None, None, None, None
 
 
