@@ -6,7 +6,7 @@ Every switch only changes speed or memory, never the numbers: a switch turned of
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from trl import SFTConfig
 
@@ -76,7 +76,7 @@ class FastSFTConfig(SFTConfig):
         metadata={"help": "Attach nbkit.LiveDashboard: 'auto' inside a notebook, True always, False never."},
     )
 
-    # -- reliability (nbkit.guards, nbkit.resilience): these change what happens when something goes wrong, never
+    # -- reliability (nbkit.reliability.guards, nbkit.reliability.resilience): these change what happens when something goes wrong, never
     # the numbers of a run that goes right.
     validate_inputs: bool = field(
         default=True,
@@ -116,3 +116,14 @@ class FastSFTConfig(SFTConfig):
             value = getattr(self, name)
             if value not in (True, False, "auto"):
                 raise ValueError(f"{name}={value!r}: use True, False or 'auto'")
+
+
+_SWITCH_DEFAULTS = {
+    name: f.default for name, f in FastSFTConfig.__dataclass_fields__.items()
+    if name not in SFTConfig.__dataclass_fields__
+}
+
+
+def switch(args: Any, name: str) -> Any:
+    """A switch of ``FastSFTConfig``, or its default when the run was given a plain ``SFTConfig``."""
+    return getattr(args, name, _SWITCH_DEFAULTS[name])

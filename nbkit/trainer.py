@@ -21,32 +21,34 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import SFTConfig, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from . import resilience
-from .config import FastSFTConfig
-from .guards import validate_training_inputs
-from .packing import PackedAttention, PackedCollator
-from .speedup import Speedup
+from . import speedups
+from .config import switch as _switch
+from .reliability import resilience
+from .reliability.guards import validate_training_inputs
+from .speedups.ledger import Speedup
+from .speedups.packed_attention import PackedCollator
 
 logger = logging.getLogger(__name__)
 
-_SWITCH_DEFAULTS = {
-    name: f.default for name, f in FastSFTConfig.__dataclass_fields__.items() if name not in SFTConfig.__dataclass_fields__
-}
 
+class _TrainStageSpeedups(TrainerCallback):
+    """Owns the ``stage="train"`` speedups of one run: attached to the model training starts (transformers has
+    enabled gradient checkpointing by then), detached by the trainer when ``train()`` ends."""
 
-def _switch(args: Any, name: str) -> Any:
-    """A switch from FastSFTConfig, or its default when the user passed a plain SFTConfig."""
-    return getattr(args, name, _SWITCH_DEFAULTS[name])
+    def __init__(self) -> None:
+        self.pending: list[Speedup] = []
+        self.attached: list[Speedup] = []
 
+    def on_train_begin(self, args, state, control, model=None, **kwargs):  # noqa: ANN001 - TrainerCallback's signature
+        for speedup in self.pending:
+            if speedup.attach(model):
+                self.attached.append(speedup)
+        self.pending = []
 
-class _AttachAtTrainBegin(TrainerCallback):
-    """Attaches the speedups that need the model as training starts it (after gradient checkpointing is enabled)."""
-
-    def __init__(self, trainer: "FastSFT") -> None:
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001 - TrainerCallback's signature
-        self.trainer._attach_training_speedups()
+    def detach(self) -> None:
+        for speedup in reversed(self.attached):
+            speedup.detach()
+        self.attached, self.pending = [], []
 
 
 class FastSFT(SFTTrainer):
@@ -57,7 +59,7 @@ class FastSFT(SFTTrainer):
     (``fast_moe_routing``), fused LoRA layers (``fused_lora``), Liger's fused RMSNorm/SwiGLU/RoPE kernels
     (``fused_kernels``), and a live notebook dashboard (``live_dashboard``).
 
-    Reliability (``nbkit.guards``, ``nbkit.resilience``): inputs are checked before TRL prepares them
+    Reliability (``nbkit.reliability.guards``, ``nbkit.reliability.resilience``): inputs are checked before TRL prepares them
     (``validate_inputs``); an out-of-memory step raises ``TrainingOutOfMemoryError`` naming the step, the memory and
     what to change; a non-finite loss stops or skips per ``on_nonfinite_loss``; checkpoints and ``save_model`` are
     written atomically (``atomic_saves``) and ``train(resume_from_checkpoint=True)`` resumes from the newest complete
@@ -68,7 +70,7 @@ class FastSFT(SFTTrainer):
                  **kwargs: Any) -> None:
         self._nbkit_user_collator = data_collator is not None
         self._speedups: list[Speedup] = []
-        self._training_speedups: list[Speedup] = []
+        self._train_stage = _TrainStageSpeedups()
         self._nbkit_active = False
         self.nbkit_attached: list[str] = []  # what the last train()/evaluate() ran with, kept after detach
         self.nbkit_skipped: list[resilience.NonFiniteLoss] = []  # batches on_nonfinite_loss="skip" stepped over
@@ -80,7 +82,7 @@ class FastSFT(SFTTrainer):
         super().__init__(model, args, data_collator, *pargs, **kwargs)
         if _switch(self.args, "cached_packing"):
             self._install_packed_collator()
-        self.add_callback(_AttachAtTrainBegin(self))
+        self.add_callback(self._train_stage)
         self._maybe_add_dashboard()
 
     # -- setup ---------------------------------------------------------------------------------------------------------
@@ -115,85 +117,37 @@ class FastSFT(SFTTrainer):
             return
         LiveDashboard().attach(self)
 
-    def _packing_speedup(self) -> Speedup | None:
-        if not getattr(self, "_nbkit_packing_enabled", False):
-            return None
-        return PackedAttention(kernel=_switch(self.args, "attention_kernel"))
-
-    def _moe_speedup(self) -> Speedup | None:
-        if not _switch(self.args, "fast_moe_routing"):
-            return None
-        try:
-            from .moe import FastMoERouting
-        except ImportError:
-            return None
-        return FastMoERouting()
-
-    def _lora_speedup(self) -> Speedup | None:
-        if not _switch(self.args, "fused_lora"):
-            return None
-        from .lora import FusedLoRA
-
-        return FusedLoRA()
-
-    def _kernels_speedup(self) -> Speedup | None:
-        mode = _switch(self.args, "fused_kernels")
-        if mode is False:
-            return None
-        from .kernels import FusedKernels, liger_ops
-
-        if mode == "auto" and liger_ops() is None:
-            return None  # quietly: auto means "where it is available"
-        return FusedKernels()
-
-    def _offload_speedup(self) -> Speedup | None:
-        mode = _switch(self.args, "offload_checkpointing")
-        if mode is False or not self.args.gradient_checkpointing:
-            return None
-        try:
-            from .offload import OffloadedCheckpointing
-        except ImportError:
-            return None
-        return OffloadedCheckpointing(
-            mode=mode,
-            double_buffer=_switch(self.args, "offload_double_buffer"),
-            min_bytes=_switch(self.args, "offload_min_bytes"),
-        )
-
     # -- attach / detach -----------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def nbkit_speedups(self) -> Iterator[list[Speedup]]:
-        """Attach the model-level speedups (packed attention, MoE routing) for the duration of the block."""
+        """Attach the speedups ``FastSFTConfig`` switches on (``nbkit.speedups.SPEEDUPS``) for the block: the model
+        stage now, the train stage when training begins; all of them detached, in reverse, when it ends."""
         if self._nbkit_active:  # nested (evaluate() inside train()): already attached
             yield self._speedups
             return
-        attached: list[Speedup] = []
+        packed = getattr(self, "_nbkit_packing_enabled", False)
         self._nbkit_active = True
+        self._speedups = []
         try:
-            for speedup in (self._packing_speedup(), self._moe_speedup(), self._lora_speedup(),
-                            self._kernels_speedup()):
-                if speedup is not None and speedup.attach(self.model):
-                    attached.append(speedup)
-            self._speedups = attached
+            for speedup in speedups.build("model", self.args, packed):
+                if speedup.attach(self.model):
+                    self._speedups.append(speedup)
             self.nbkit_attached = self.active_speedups
-            yield attached
+            self._train_stage.pending = speedups.build("train", self.args, packed)
+            yield self._speedups
         finally:
-            for speedup in reversed(attached + self._training_speedups):
-                speedup.detach()
-            self._speedups, self._training_speedups = [], []
-            self._nbkit_active = False
-
-    def _attach_training_speedups(self) -> None:
-        speedup = self._offload_speedup()
-        if speedup is not None and speedup.attach(self.model):
-            self._training_speedups.append(speedup)
             self.nbkit_attached = self.active_speedups
+            self._train_stage.detach()
+            for speedup in reversed(self._speedups):
+                speedup.detach()
+            self._speedups = []
+            self._nbkit_active = False
 
     @property
     def active_speedups(self) -> list[str]:
         """Names of the speedups attached right now (for logs and tests)."""
         return [f"{s.name}({s.kernel})" if getattr(s, "kernel", None) else s.name
-                for s in self._speedups + self._training_speedups]
+                for s in self._speedups + self._train_stage.attached]
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         """``SFTTrainer.train`` with the speedups attached; ``resume_from_checkpoint=True`` picks the newest complete
@@ -217,7 +171,7 @@ class FastSFT(SFTTrainer):
         with self.nbkit_speedups():
             return super().evaluate(*args, **kwargs)
 
-    # -- reliability: input checks, OOM, non-finite loss (nbkit.guards, nbkit.resilience) ----------------------------
+    # -- reliability: input checks, OOM, non-finite loss (nbkit.reliability.guards, nbkit.reliability.resilience) ----------------------------
     def _nbkit_check_inputs(self, model: Any, args: Any, data_collator: Any, pargs: tuple, kwargs: dict) -> None:
         """Validate the raw datasets and settings before TRL prepares them; keep what locating rows needs later."""
         given = inspect.signature(SFTTrainer.__init__).bind(self, model, args, data_collator, *pargs, **kwargs).arguments

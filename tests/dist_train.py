@@ -70,7 +70,7 @@ class Recorder:
         self._hooks: list = []
 
     def attach(self, model: torch.nn.Module) -> None:
-        from nbkit.speedup import unwrap_model
+        from nbkit.speedups.ledger import unwrap_model
 
         base = unwrap_model(model)
         self._hooks = [base.get_decoder().register_forward_pre_hook(self._see, with_kwargs=True)]
@@ -202,7 +202,7 @@ def _packed_batches(tokenizer, world: int, docs_per_rank: int) -> list[dict[str,
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     from nbkit.demo.data import make_dataset
-    from nbkit.packing import PackedCollator
+    from nbkit.speedups.packed_attention import PackedCollator
 
     docs = [tokenizer.apply_chat_template(ex["messages"], tokenize=True, return_dict=True)["input_ids"]
             for ex in make_dataset("messages", n=world * docs_per_rank, split="train", seed=0)]
@@ -225,9 +225,9 @@ def fsdp2_direct(opts: argparse.Namespace) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from nbkit.demo.tokenizer import load_demo_tokenizer
-    from nbkit.moe import FastMoERouting
-    from nbkit.offload import OffloadedCheckpointing
-    from nbkit.packing import PackedAttention
+    from nbkit.speedups.moe import FastMoERouting
+    from nbkit.speedups.offload import OffloadedCheckpointing
+    from nbkit.speedups.packed_attention import PackedAttention
 
     state = PartialState(cpu=opts.cpu)
     rank, world = state.process_index, state.num_processes

@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nbkit.packing import PackedCollator
+from nbkit.speedups.packed_attention import PackedCollator
 
 STRIDE = 1000  # token = document * STRIDE + position + 1 (0 stays the pad id)
 

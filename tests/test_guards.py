@@ -1,4 +1,4 @@
-"""Bad datasets and settings fail before training with an error that names the row or the setting (nbkit.guards).
+"""Bad datasets and settings fail before training with an error that names the row or the setting (nbkit.reliability.guards).
 
 Each case builds the smallest dataset that shows the problem and checks the message names what to fix; valid data
 of every format passes; ``FastSFT`` runs the checks before TRL prepares anything, and ``validate_inputs=False``
@@ -15,7 +15,7 @@ from trl import SFTConfig
 
 from nbkit import FastSFT, FastSFTConfig
 from nbkit.demo.data import make_dataset
-from nbkit.guards import InputError, detect_format, validate_training_inputs
+from nbkit.reliability.guards import InputError, detect_format, validate_training_inputs
 
 
 @pytest.fixture(scope="module")
@@ -140,12 +140,12 @@ def test_documents_longer_than_max_length_are_named_not_cut_silently(tokenizer, 
     data = make_dataset("text", n=30)
     rows = data.to_list()
     rows[7] = {"text": rows[7]["text"] + " red fox" * 200}  # far beyond max_length
-    with caplog.at_level(logging.WARNING, logger="nbkit.guards"):
+    with caplog.at_level(logging.WARNING, logger="nbkit.reliability.guards"):
         check(Dataset.from_list(rows), tokenizer, cfg(max_length=64))
     assert "1 of 30 checked rows of train_dataset are longer than max_length=64 (row 7 (" in caplog.text
     assert "bfd_split" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="nbkit.guards"):
+    with caplog.at_level(logging.WARNING, logger="nbkit.reliability.guards"):
         check(data, tokenizer, cfg(max_length=64))  # nothing long: nothing said
     assert "longer than max_length" not in caplog.text
 

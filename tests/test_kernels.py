@@ -1,4 +1,4 @@
-"""nbkit.kernels wiring on CPU: which modules get the fused ops, that the model computes the same function, and that
+"""nbkit.speedups.fused_kernels wiring on CPU: which modules get the fused ops, that the model computes the same function, and that
 ``detach`` restores everything (Liger's Triton kernels need a GPU: their numerics are tests/gpu/test_fused_gpu.py).
 
 The ops injected here are plain-torch versions of Liger's functional contract (casting modes 'llama' and 'gemma',
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nbkit.demo.models import tiny_model
-from nbkit.kernels import FAMILIES, FusedKernels, KernelOps
+from nbkit.speedups.fused_kernels import FAMILIES, FusedKernels, KernelOps
 
 
 def _rms_norm(x, w, eps, offset=0.0, casting_mode="llama", in_place=True):

@@ -1,4 +1,4 @@
-"""Fused LoRA (nbkit.lora) against PEFT's own forward: outputs and gradients.
+"""Fused LoRA (nbkit.speedups.fused_lora) against PEFT's own forward: outputs and gradients.
 
 Tolerances: fp32 on CPU, equal to 1e-6 relative (the same products, the LoRA term accumulated by the GEMM instead of
 added afterwards); bf16 autocast within 3e-2 relative of the largest value (PEFT rounds the LoRA term to bf16 three
@@ -13,7 +13,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from nbkit.lora import FusedLoRA, why_not_fusable
+from nbkit.speedups.fused_lora import FusedLoRA, why_not_fusable
 
 
 class _Block(nn.Module):
@@ -124,7 +124,7 @@ def test_4bit_base_matches_peft(one_thread):
 def test_checkpoint_recompute_skips_the_final_base_gemm(one_thread, monkeypatch):
     """Non-reentrant checkpoint stops recomputing once the last saved tensor is back: the final projection's base
     GEMM (whose output backward never reads) runs twice per step, not three times; gradients unchanged."""
-    import nbkit.lora as lora
+    import nbkit.speedups.fused_lora as lora
     from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
     calls: dict[int, int] = {}

@@ -1,4 +1,4 @@
-"""CPU parity tests for nbkit.moe (fp32): nbkit's experts path equals transformers' eager experts.
+"""CPU parity tests for nbkit.speedups.moe (fp32): nbkit's experts path equals transformers' eager experts.
 
 Each test compares outputs and gradients (inputs, router, expert weights and biases, LoRA A/B) with the plain
 path at fp32 tolerance (rtol 1e-4, atol 1e-5); both routing backends ("loop": contiguous slices, "grouped":
@@ -29,8 +29,8 @@ from transformers import (
 )
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from nbkit import moe
-from nbkit.moe import FastMoERouting
+from nbkit.speedups import moe
+from nbkit.speedups.moe import FastMoERouting
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 FAMILIES = ["gpt_oss", "qwen3_moe", "mixtral"]
@@ -306,7 +306,7 @@ def test_lora_on_a_bias_stays_on_peft(caplog):
     peft_model.get_base_model().set_experts_implementation("eager")
     ref = _loss_and_grads(peft_model, ids)
     fm = FastMoERouting()
-    with caplog.at_level(logging.WARNING, logger="nbkit.moe"):
+    with caplog.at_level(logging.WARNING, logger="nbkit.speedups.moe"):
         assert fm.attach(peft_model)
     try:
         assert not fm._bypassed and len(caplog.records) == 1 and "down_proj_bias" in caplog.text
@@ -338,14 +338,14 @@ def test_attach_detach_restores_everything():
 def test_unsupported_models_stay_plain(caplog):
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
-    with caplog.at_level(logging.INFO, logger="nbkit.moe"):
+    with caplog.at_level(logging.INFO, logger="nbkit.speedups.moe"):
         assert FastMoERouting().attach(llama) is False
     assert "no experts module" in caplog.text
 
     model = _model("mixtral")
     model._tp_size = 2  # as after tensor/expert-parallel loading: expert ids may be sentinels
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="nbkit.moe"):
+    with caplog.at_level(logging.WARNING, logger="nbkit.speedups.moe"):
         assert FastMoERouting().attach(model) is False
     assert "parallel" in caplog.text and len(caplog.records) == 1
     assert model.get_experts_implementation() == {"": "grouped_mm"}
@@ -631,15 +631,15 @@ def test_fused_lora_kernels_compile_for_h100_without_spills(tmp_path, monkeypatc
 
 
 def test_step_benchmark_tiny_losses(monkeypatch, caplog):
-    """``python -m nbkit.bench.moe_step --tiny`` (TRL SFTTrainer vs FastSFT on a tiny gpt-oss, CPU fp32): every path
+    """``python -m benchmarks.moe_step --tiny`` (TRL SFTTrainer vs FastSFT on a tiny gpt-oss, CPU fp32): every path
     completes. With one padded document per row (plain gpt-oss attention is per document there too) FastSFT's
     per-step losses equal SFTTrainer's to 1e-4 relative, full fine-tune and LoRA (experts + attention); with TRL
     packing, FastSFT with and without nbkit's routing agree to 1e-4, and the routing ran only where asked."""
-    from nbkit.bench import moe_step
+    from benchmarks import moe_step
 
     monkeypatch.delenv("OUT", raising=False)
     quick = ["--tiny", "--steps", "3", "--warmup", "1"]
-    with caplog.at_level(logging.INFO, logger="nbkit.moe"):
+    with caplog.at_level(logging.INFO, logger="nbkit.speedups.moe"):
         rows = moe_step.run(quick + ["--packing", "off", "--paths", "sft,fast,sft_lora,fast_lora"])
     assert not [r for r in rows if r.get("error")], rows
     assert "LoRA bypass on 4" in caplog.text  # FastSFT's LoRA on the experts of all 4 layers ran through nbkit

@@ -279,7 +279,7 @@ def test_03_long_context(workdir):
 
     nb, r = run("03_long_context", workdir)
     text = all_text(nb)
-    available, message = feature("nbkit.offload", "OffloadedCheckpointing")
+    available, message = feature("nbkit.speedups.offload", "OffloadedCheckpointing")
     assert r["offload_available"] == available
     if not available:  # the notebook must say what is missing, not pretend
         assert "NOT available" in text and message in text
@@ -303,7 +303,7 @@ def test_04_moe_finetune(workdir):
     assert r["loss_last"] < r["loss_first"] and r["loss_trained"] < r["loss_before"]
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(r["adapter_files"])
     assert abs(r["loss_reloaded"] - r["loss_trained"]) <= 1e-4 * r["loss_trained"]
-    available, message = feature("nbkit.moe", "FastMoERouting")
+    available, message = feature("nbkit.speedups.moe", "FastMoERouting")
     assert r["routing_available"] == available
     if not available:
         assert "NOT available" in text and message in text
@@ -322,20 +322,20 @@ def test_04_moe_finetune(workdir):
 
 
 def test_03_says_what_is_missing_without_offload(workdir):
-    nb, r = run("03_long_context", workdir, block=("nbkit.offload",))
+    nb, r = run("03_long_context", workdir, block=("nbkit.speedups.offload",))
     text = all_text(nb)
     assert not r["offload_available"] and not r["offload_attached"]
-    assert r["missing"] == ["nbkit.offload cannot be imported (ImportError: No module named 'nbkit.offload')"]
+    assert r["missing"] == ["nbkit.speedups.offload cannot be imported (ImportError: No module named 'nbkit.speedups.offload')"]
     assert "offloaded checkpointing is NOT available" in text and r["missing"][0] in text
     assert list(r["tried"]) == ["False"] and r["longest_fit"]["False"] == 1024  # the plain path is still measured
     assert r["max_relative_gap"] is None  # no comparison made up
 
 
 def test_04_says_what_is_missing_without_moe_routing(workdir):
-    nb, r = run("04_moe_finetune", workdir, block=("nbkit.moe",))
+    nb, r = run("04_moe_finetune", workdir, block=("nbkit.speedups.moe",))
     text = all_text(nb)
     assert not r["routing_available"] and not r["routing_used"]
-    assert "nbkit's MoE routing is NOT available" in text and "nbkit.moe cannot be imported" in text
+    assert "nbkit's MoE routing is NOT available" in text and "nbkit.speedups.moe cannot be imported" in text
     assert "fast_moe_routing" not in " ".join(r["nbkit_attached"])
     assert "plain_tokens_per_second" not in r and "skipped: there is no nbkit MoE routing" in text
     assert r["loss_last"] < r["loss_first"]  # the fine-tune itself still works, on transformers' experts path

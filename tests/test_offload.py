@@ -1,4 +1,4 @@
-"""CPU tests for nbkit.offload: the host-storage path runs the same pack / unpack / prefetch code as CUDA.
+"""CPU tests for nbkit.speedups.offload: the host-storage path runs the same pack / unpack / prefetch code as CUDA.
 
 Parity is bitwise: the offloaded input is restored byte for byte, so the recompute sees identical data and runs
 the same kernels in the same order as plain checkpointing (fp32, CPU).
@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from nbkit.offload import OffloadedCheckpointing, _HostPool, _Lane, slot_bytes
+from nbkit.ops.offload_lanes import _HostPool, _Lane, slot_bytes
+from nbkit.speedups.offload import OffloadedCheckpointing
 
 torch.set_num_threads(2)
 
@@ -156,7 +157,7 @@ def test_prefetch_trace_is_a_real_observation(gc_model):
     """Negative control: a prefetch issued at unpack (the old timing) breaks the ordering the test above checks."""
     oc = OffloadedCheckpointing(mode=True, trace=1000)
     oc.attach(gc_model)
-    for _, _, inst in oc._installed:
+    for inst in oc._installed:
         inst.ffn = None  # no MLP hook: the fallback timing
     _mark_backward(gc_model, oc.trace)
     step(gc_model)
@@ -261,7 +262,7 @@ def test_plain_path_in_eval_no_grad_and_inference_mode(gc_model):
 def test_not_enabled_is_refused_with_one_line(caplog):
     model = tiny_qwen3()
     oc = OffloadedCheckpointing(mode=True)
-    with caplog.at_level(logging.INFO, logger="nbkit.offload"):
+    with caplog.at_level(logging.INFO, logger="nbkit.speedups.offload"):
         assert oc.attach(model) is False
         oc.attach(model)
     lines = [r.getMessage() for r in caplog.records if "not enabled" in r.getMessage()]
@@ -285,16 +286,20 @@ def test_user_kwargs_are_kept(gc_model):
     oc.detach()
 
 
-def test_config_switch(tmp_path, gc_model, caplog):
+def test_config_switch_builds_offload_from_the_speedup_table(tmp_path, gc_model, caplog):
+    from nbkit import speedups
     from nbkit.config import FastSFTConfig
 
-    cfg = functools.partial(FastSFTConfig, output_dir=str(tmp_path), bf16=False, use_cpu=True)
-    off = OffloadedCheckpointing.from_config(cfg(offload_checkpointing=False))
-    assert off.attach(gc_model) is False
-    on = OffloadedCheckpointing.from_config(cfg(offload_checkpointing=True, offload_double_buffer=False))
+    cfg = functools.partial(FastSFTConfig, output_dir=str(tmp_path), bf16=False, use_cpu=True,
+                            gradient_checkpointing=True)
+    assert speedups.build("train", cfg(offload_checkpointing=False), False) == []
+    assert speedups.build("train", cfg(offload_checkpointing=True, gradient_checkpointing=False), False) == []
+    (on,) = speedups.build("train", cfg(offload_checkpointing=True, offload_double_buffer=False), False)
     assert on.attach(gc_model) and on.double_buffer is False
+    assert on.min_bytes == FastSFTConfig.offload_min_bytes  # the config's default, not a second one
+    assert OffloadedCheckpointing().min_bytes == FastSFTConfig.offload_min_bytes
     on.detach()
-    auto = OffloadedCheckpointing.from_config(cfg())
+    (auto,) = speedups.build("train", cfg(), False)
     with caplog.at_level(logging.INFO, logger="nbkit.offload"):
         assert auto.attach(gc_model) is False  # 'auto' never offloads from a CPU model
     assert any("auto" in r.getMessage() and "cpu" in r.getMessage() for r in caplog.records)
@@ -304,7 +309,7 @@ def test_auto_stays_off_for_host_tensors(gc_model, monkeypatch, caplog):
     oc = OffloadedCheckpointing(mode="auto", min_bytes=0)
     monkeypatch.setattr(oc, "_auto_refusal", lambda base: None)  # get past attach's device check
     assert oc.attach(gc_model)
-    with caplog.at_level(logging.INFO, logger="nbkit.offload"):
+    with caplog.at_level(logging.INFO, logger="nbkit.speedups.offload"):
         step(gc_model)
     assert oc.stats.packs == 0 and not oc.active
     assert any("off:" in r.getMessage() for r in caplog.records)
@@ -329,7 +334,7 @@ def test_vram_tight_skips_the_prefetch(gc_model, monkeypatch, caplog):
     monkeypatch.setattr(_Lane, "_room_for", lambda self, nbytes: False)
     oc = OffloadedCheckpointing(mode=True)
     oc.attach(gc_model)
-    with caplog.at_level(logging.WARNING, logger="nbkit.offload"):
+    with caplog.at_level(logging.WARNING, logger="nbkit.speedups.offload"):
         assert_same(ref, step(gc_model))
         assert_same(ref, step(gc_model))
     s = oc.stats
@@ -348,7 +353,7 @@ def test_host_memory_exhausted_keeps_inputs(gc_model, monkeypatch, caplog):
     monkeypatch.setattr(_HostPool, "_alloc", fail)
     oc = OffloadedCheckpointing(mode=True)
     oc.attach(gc_model)
-    with caplog.at_level(logging.WARNING, logger="nbkit.offload"):
+    with caplog.at_level(logging.WARNING, logger="nbkit.speedups.offload"):
         assert_same(ref, step(gc_model))
     assert oc.stats.packs == 0 and oc.stats.kept == oc.stats.host_short == LAYERS
     assert sum("host memory exhausted" in r.getMessage() for r in caplog.records) == 1
@@ -503,7 +508,7 @@ def test_aborted_backward_then_reset():
 
 
 def test_copy_overlap_from_a_synthetic_trace():
-    from nbkit.bench.offload import copy_overlap
+    from benchmarks.offload import copy_overlap
 
     def ev(cat, name, ts, dur, stream, nbytes=None):
         args = {"stream": stream} | ({"bytes": nbytes} if nbytes is not None else {})
@@ -529,7 +534,7 @@ def test_copy_overlap_from_a_synthetic_trace():
 
 def _search_on(peak, cap, prior, first=32768, res=8192):
     """Drive the benchmark's next-try rule against a made-up GPU (``peak(tokens)`` GiB; fits while <= cap)."""
-    from nbkit.bench.offload import _next_try, _predict_max
+    from benchmarks.offload import _next_try, _predict_max
 
     probes, lo, hi = [], 0, None
     pred = _predict_max(probes, cap, prior)
@@ -560,7 +565,7 @@ def test_longest_search_converges():
 
 
 def test_longest_host_limits_and_failure_kinds():
-    from nbkit.bench.offload import GiB, _failure_kind, host_limit_tokens, host_need
+    from benchmarks.offload import GiB, _failure_kind, host_limit_tokens, host_need
 
     assert host_need("ckpt_offload", 40, 204800, 5120) == 40 * 2**31  # torch rounds pinned blocks to powers of two
     assert host_need("ckpt_offload", 40, 212992, 5120) == 40 * 2**32
@@ -584,7 +589,7 @@ def test_longest_host_limits_and_failure_kinds():
 
 def test_host_check_counts_and_reclaims_torch_pinned_cache(gc_model, monkeypatch):
     """Host room is MemAvailable plus torch's idle pinned blocks; the pool gives those back before it gives up."""
-    import nbkit.offload as off
+    import nbkit.ops.offload_lanes as off
 
     G = 2**30
     monkeypatch.setattr(off, "_torch_host_cache_idle", lambda: 30 * G)
@@ -592,7 +597,7 @@ def test_host_check_counts_and_reclaims_torch_pinned_cache(gc_model, monkeypatch
     assert off.host_available({}) is None
     released = []
     meminfo = {"MemAvailable": 2 * G}  # short before the release, plenty after it
-    monkeypatch.setattr(off, "_meminfo", lambda: dict(meminfo))
+    monkeypatch.setattr(off, "meminfo", lambda: dict(meminfo))
     monkeypatch.setattr(off, "_torch_host_cache_idle", lambda: 0 if released else 30 * G)
 
     def release():
@@ -621,7 +626,7 @@ def test_longest_try_stops_past_the_peak(gc_model, probe):
     import argparse
     import time
 
-    from nbkit.bench.offload import _probe
+    from benchmarks.offload import _probe
 
     done = []
     for i, layer in enumerate(gc_model.model.layers):
@@ -639,7 +644,7 @@ def test_longest_try_stops_past_the_peak(gc_model, probe):
 
 
 def test_packed_batch_is_like_trl_padding_free():
-    from nbkit.bench.offload import packed_batch
+    from benchmarks.offload import packed_batch
 
     b = packed_batch(4096, 1000, "cpu")
     pos, cu = b["position_ids"][0], b["cu_seq_lens_q"]

@@ -13,18 +13,17 @@ import torch
 import torch.nn.functional as F
 
 from nbkit.demo.models import tiny_model
-from nbkit.packing import (
-    AttnCall,
+from nbkit.ops.packed_boundaries import metadata_from_lengths, metadata_from_position_ids
+from nbkit.ops.reference_attention import AttnCall
+from nbkit.ops.varlen_attention import KERNEL_FNS, PackedRun
+from nbkit.speedups.packed_attention import (
     PackedAttention,
     PackedCollator,
-    PackedRun,
-    _flex_kernel,
-    _sdpa_loop_kernel,
     choose_kernel,
-    metadata_from_lengths,
-    metadata_from_position_ids,
     nbkit_attention_forward,
 )
+
+_flex_kernel, _sdpa_loop_kernel = KERNEL_FNS["flex"], KERNEL_FNS["sdpa_loop"]
 
 VOCAB = 97
 DENSE_FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"]
@@ -143,15 +142,14 @@ def test_metadata_built_once_per_batch_whatever_the_layer_count():
         speedup = PackedAttention()
         speedup.attach(model)
         runs = []
-        import nbkit.packing as packing
 
-        original = packing._KERNEL_FNS["sdpa_loop"]
+        original = KERNEL_FNS["sdpa_loop"]
 
         def spy(q, k, v, run, call):
             runs.append(run)
             return original(q, k, v, run, call)
 
-        packing._KERNEL_FNS["sdpa_loop"] = spy
+        KERNEL_FNS["sdpa_loop"] = spy
         try:
             from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
@@ -165,7 +163,7 @@ def test_metadata_built_once_per_batch_whatever_the_layer_count():
             with torch.no_grad():
                 model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
         finally:
-            packing._KERNEL_FNS["sdpa_loop"] = original
+            KERNEL_FNS["sdpa_loop"] = original
             speedup.detach()
         assert len(runs) == 2 * layers
         assert all(r is runs[0] for r in runs[:layers]), "every layer must share the collated metadata"
@@ -216,14 +214,14 @@ def test_attention_without_metadata_raises_clearly():
 def test_unsupported_family_warns_and_keeps_plain_path(caplog):
     model = tiny_model("llama", VOCAB)
     model.config.model_type = "someone_elses_model"
-    with caplog.at_level(logging.WARNING, logger="nbkit.packing"):
+    with caplog.at_level(logging.WARNING, logger="nbkit.speedups.packed_attention"):
         assert PackedAttention().attach(model) is False
     assert "not validated for model family 'someone_elses_model'" in caplog.text
     assert model.config._attn_implementation != "nbkit"
 
 
 def test_flash_attn_requested_but_absent_is_a_clear_error():
-    from nbkit.packing import flash_attn_available
+    from nbkit.ops.varlen_attention import flash_attn_available
 
     if flash_attn_available():
         pytest.skip("flash-attn is installed here")

@@ -32,7 +32,7 @@ import torch
 from datasets import Dataset
 
 from nbkit import FastSFT, FastSFTConfig
-from nbkit.resilience import (
+from nbkit.reliability.resilience import (
     NonFiniteLossError,
     TrainingOutOfMemoryError,
     atomic_directory,
@@ -150,7 +150,7 @@ class _Model(torch.nn.Module):
 
 
 def test_fit_suggestions_pick_what_would_help():
-    from nbkit.resilience import MemoryFigures
+    from nbkit.reliability.resilience import MemoryFigures
 
     tips = fit_suggestions(_Args(), _Model(10))
     assert tips[0].startswith("per_device_train_batch_size=4 with gradient_accumulation_steps=2")

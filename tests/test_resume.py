@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from nbkit import FastSFT, FastSFTConfig
-from nbkit.resilience import STAGING_PREFIX, checkpoint_problem, last_complete_checkpoint
+from nbkit.reliability.resilience import STAGING_PREFIX, checkpoint_problem, last_complete_checkpoint
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent

@@ -1,4 +1,4 @@
-"""Attention sinks on a flash-style varlen core (nbkit.sink_attention) against the exact fp32 per-document loop.
+"""Attention sinks on a flash-style varlen core (nbkit.ops.sink_attention) against the exact fp32 per-document loop.
 
 The CPU has no flash kernel, so the tests give ``sink_attention`` a reference core with flash's contract: the forward
 returns the output and the log-sum-exp over the keys; the backward recomputes P from that log-sum-exp and takes the
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nbkit.packing import AttnCall, _doc_attention
-from nbkit.sink_attention import sink_attention
+from nbkit.ops.reference_attention import AttnCall, doc_attention
+from nbkit.ops.sink_attention import sink_attention
 
 
 def _scores(q, k, scale, window):  # (n, Hq, D), (n, Hkv, D) -> (Hq, n, n) masked
@@ -75,7 +75,7 @@ def _exact(q, k, v, sinks, cu, scale, window):
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         qh = q[a:b].transpose(0, 1)
         kh, vh = (x[a:b].repeat_interleave(groups, 1).transpose(0, 1) for x in (k, v))
-        outs.append(_doc_attention(qh, kh, vh, call, training=False).transpose(0, 1))
+        outs.append(doc_attention(qh, kh, vh, call, training=False).transpose(0, 1))
     return torch.cat(outs)
 
 
@@ -130,7 +130,7 @@ class _PlainOutCore(ReferenceCore):
 
 @pytest.mark.parametrize("core,ok", [(ReferenceCore, True), (_PlainOutCore, False)])
 def test_probe_tells_a_right_core_from_a_wrong_one(monkeypatch, core, ok):
-    import nbkit.sink_attention as sa
+    import nbkit.ops.sink_attention as sa
 
     monkeypatch.setattr(sa, "aten_flash_core", core())
     gen = torch.Generator().manual_seed(0)

@@ -123,7 +123,7 @@ def test_bad_switch_values_are_clear_errors(tmp_path):
 
 
 def test_flash_attn_absent_fails_before_training_and_loses_nothing(tokenizer, tmp_path):
-    from nbkit.packing import flash_attn_available
+    from nbkit.ops.varlen_attention import flash_attn_available
 
     if flash_attn_available():
         pytest.skip("flash-attn installed")

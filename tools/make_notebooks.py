@@ -595,14 +595,14 @@ NB03 = [
     from nbkit.notebook import RunProbe, feature, fmt_bytes, keep_trainable_fp32, md_table, pick_model
 
     missing = []
-    ok, message = feature("nbkit.offload", "OffloadedCheckpointing")
+    ok, message = feature("nbkit.speedups.offload", "OffloadedCheckpointing")
     if not ok:
         missing.append(message)
     if "offload_checkpointing" not in FastSFTConfig.__dataclass_fields__:
         missing.append("FastSFTConfig has no offload_checkpointing switch")
     offload_available = not missing
     if offload_available:
-        print("offloaded checkpointing: available (nbkit.offload.OffloadedCheckpointing, "
+        print("offloaded checkpointing: available (nbkit.speedups.offload.OffloadedCheckpointing, "
               "FastSFTConfig.offload_checkpointing)")
     else:
         print("offloaded checkpointing is NOT available in this nbkit, so only the plain path is measured. Missing:")
@@ -853,14 +853,14 @@ NB04 = [
                                 keep_trainable_fp32, md_table, pick_model, sequence_loss)
 
     missing = []
-    ok, message = feature("nbkit.moe", "FastMoERouting")
+    ok, message = feature("nbkit.speedups.moe", "FastMoERouting")
     if not ok:
         missing.append(message)
     if "fast_moe_routing" not in FastSFTConfig.__dataclass_fields__:
         missing.append("FastSFTConfig has no fast_moe_routing switch")
     routing_available = not missing
     if routing_available:
-        print("fast MoE routing: available (nbkit.moe.FastMoERouting, FastSFTConfig.fast_moe_routing)")
+        print("fast MoE routing: available (nbkit.speedups.moe.FastMoERouting, FastSFTConfig.fast_moe_routing)")
     else:
         print("nbkit's MoE routing is NOT available in this nbkit: the model trains on transformers' experts path. "
               "Missing:")

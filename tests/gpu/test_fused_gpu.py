@@ -21,7 +21,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_liger_kernels_match_plain_modules(family):
     pytest.importorskip("liger_kernel")
     from nbkit.demo.models import tiny_model
-    from nbkit.kernels import FusedKernels
+    from nbkit.speedups.fused_kernels import FusedKernels
 
     model = tiny_model(family, 512, dtype=torch.bfloat16, hidden_size=256, intermediate_size=512,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=64).cuda().train()
@@ -50,7 +50,7 @@ def test_liger_kernels_match_plain_modules(family):
 def test_fused_lora_matches_peft(four_bit):
     from peft import LoraConfig, get_peft_model
 
-    from nbkit.lora import FusedLoRA
+    from nbkit.speedups.fused_lora import FusedLoRA
 
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(1024, 2816, bias=False), nn.SiLU(), nn.Linear(2816, 1024, bias=False))

@@ -1,4 +1,4 @@
-"""GPU tests for nbkit.moe (bf16 on CUDA): parity (full fine-tune, LoRA fused and unfused), no host sync in the
+"""GPU tests for nbkit.speedups.moe (bf16 on CUDA): parity (full fine-tune, LoRA fused and unfused), no host sync in the
 grouped path, empty experts.
 
 Tolerance: for every output and gradient, the relative error ``||a - ref|| / ||ref||`` against an fp32 reference
@@ -20,8 +20,8 @@ from transformers import GptOssConfig, Qwen3MoeConfig  # noqa: E402
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts  # noqa: E402
 
-from nbkit import moe  # noqa: E402
-from nbkit.moe import FastMoERouting  # noqa: E402
+from nbkit.speedups import moe  # noqa: E402
+from nbkit.speedups.moe import FastMoERouting  # noqa: E402
 
 DEV = "cuda"
 T, H, I, E = 2048, 256, 384, 16

@@ -1,4 +1,4 @@
-"""GPU tests for nbkit.offload (H200): bf16 parity, copy/compute overlap, peak VRAM, fallbacks.
+"""GPU tests for nbkit.speedups.offload (H200): bf16 parity, copy/compute overlap, peak VRAM, fallbacks.
 
 Tolerances: with the math SDPA backend every kernel is deterministic, so offloaded checkpointing must give bitwise
 the same loss and gradients as plain checkpointing (the restored input is the same bytes). With the default
@@ -13,7 +13,8 @@ import logging
 import pytest
 import torch
 
-from nbkit.offload import OffloadedCheckpointing, _HostPool
+from nbkit.ops.offload_lanes import _HostPool
+from nbkit.speedups.offload import OffloadedCheckpointing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -91,7 +92,7 @@ def test_qlora_packed_parity_like_the_benchmark():
     """The benchmark's own path (nf4 QLoRA, packed row, nbkit attention when present) at a small size."""
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("peft")
-    from nbkit.bench.offload import attach_attention, build_qlora, loss_fn, packed_batch, set_config
+    from benchmarks.offload import attach_attention, build_qlora, loss_fn, packed_batch, set_config
 
     model, causal, _ = build_qlora("8b", 3, "cuda", overrides=dict(hidden_size=1024, intermediate_size=3072,
                                                                    num_attention_heads=8, num_key_value_heads=4,
@@ -126,7 +127,7 @@ def test_copies_overlap_compute(tmp_path):
     """
     from torch.profiler import ProfilerActivity, profile
 
-    from nbkit.bench.offload import copy_overlap
+    from benchmarks.offload import copy_overlap
 
     model = qwen3(layers=6, hidden=2048, inter=8192, heads=16, kv=8, trainable=False)
     x = ids(8192)
@@ -208,7 +209,7 @@ def test_auto_mode_threshold(caplog):
     model = qwen3(layers=2, hidden=512, inter=1024, heads=8, kv=4)
     x = ids(2048)
     n = 2048 * 512 * 2
-    with caplog.at_level(logging.INFO, logger="nbkit.offload"):
+    with caplog.at_level(logging.INFO, logger="nbkit.speedups.offload"):
         big = OffloadedCheckpointing(mode="auto", min_bytes=n + 1)
         assert big.attach(model)
         step(model, x)
@@ -240,7 +241,7 @@ def test_pageable_fallback_when_pinning_fails(monkeypatch, caplog):
         monkeypatch.setattr(torch, "empty", no_pinning)
         oc = OffloadedCheckpointing(mode=True)
         oc.attach(model)
-        with caplog.at_level(logging.WARNING, logger="nbkit.offload"):
+        with caplog.at_level(logging.WARNING, logger="nbkit.speedups.offload"):
             got = step(model, x)
             step(model, x)
         monkeypatch.undo()

@@ -40,7 +40,9 @@ def _model(family, dtype, attn="eager"):
 @pytest.mark.parametrize("kernel_name", ["varlen", "sdpa_loop"])
 @pytest.mark.parametrize("window,gqa", [(None, True), (None, False), (32, True)])
 def test_bf16_kernel_matches_fp32_dense_block_diagonal_mask(kernel_name, window, gqa):
-    from nbkit.packing import _KERNEL_FNS, AttnCall, PackedRun, metadata_from_lengths
+    from nbkit.ops.packed_boundaries import metadata_from_lengths
+    from nbkit.ops.reference_attention import AttnCall
+    from nbkit.ops.varlen_attention import KERNEL_FNS, PackedRun
 
     torch.manual_seed(0)
     lens = [300, 17, 900, 64, 1]
@@ -50,7 +52,7 @@ def test_bf16_kernel_matches_fp32_dense_block_diagonal_mask(kernel_name, window,
     q, k, v = (torch.randn(T, h, D, device="cuda") for h in (H, KV, KV))
     offsets = meta["nbkit_cu_seqlens_host"]
     cu = meta["cu_seq_lens_q"].cuda()
-    run = PackedRun(kernel=_KERNEL_FNS[kernel_name], cu_q=cu, cu_k=cu, max_q=900, max_k=900, host_offsets=offsets,
+    run = PackedRun(kernel=KERNEL_FNS[kernel_name], cu_q=cu, cu_k=cu, max_q=900, max_k=900, host_offsets=offsets,
                     training=False)
     call = AttnCall(scaling=D**-0.5, window=window, softcap=None, sinks=None, dropout=0.0)
     out = run.kernel(q.bfloat16(), k.bfloat16(), v.bfloat16(), run, call)
@@ -72,7 +74,8 @@ def test_bf16_kernel_matches_fp32_dense_block_diagonal_mask(kernel_name, window,
 def test_bf16_packed_logits_match_the_plain_path(kernel, family):
     """Parity with what a plain transformers user gets: the same bf16 model, each document run alone on sdpa
     (eager for gemma2, whose soft-capping sdpa lacks)."""
-    from nbkit.packing import PackedAttention, metadata_from_lengths
+    from nbkit.ops.packed_boundaries import metadata_from_lengths
+    from nbkit.speedups.packed_attention import PackedAttention
 
     if kernel == "varlen" and family == "gemma2":
         pytest.skip("gemma2 soft-caps: varlen refuses it by design (covered by 'auto')")
@@ -102,7 +105,7 @@ def test_forward_makes_no_host_sync_and_grads_match():
     from peft import LoraConfig, get_peft_model
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    from nbkit.packing import PackedAttention, PackedCollator
+    from nbkit.speedups.packed_attention import PackedAttention, PackedCollator
 
     lens = [400, 250, 700, 123, 511]
     docs = _docs(lens, seed=1)

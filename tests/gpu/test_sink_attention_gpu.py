@@ -1,4 +1,4 @@
-"""Attention sinks on torch's flash ops (nbkit.sink_attention) on a CUDA GPU.
+"""Attention sinks on torch's flash ops (nbkit.ops.sink_attention) on a CUDA GPU.
 
 Tolerances (bf16 operands, relative error ||a - b|| / ||b||): the kernel's output and gradients (q, k, v, sinks)
 within 2e-2 of the exact fp32 per-document loop; a packed tiny gpt-oss's logits no further from the fp32 truth
@@ -20,7 +20,7 @@ def _rel(a, b):
 
 
 def test_probe_passes_here():
-    from nbkit.sink_attention import sink_kernel_works
+    from nbkit.ops.sink_attention import sink_kernel_works
 
     works, reason = sink_kernel_works(torch.device("cuda"))
     assert works, reason
@@ -28,8 +28,8 @@ def test_probe_passes_here():
 
 @pytest.mark.parametrize("window", [None, 128])
 def test_bf16_matches_exact_fp32_loop_with_grads(window):
-    from nbkit.packing import AttnCall, _doc_attention
-    from nbkit.sink_attention import sink_attention
+    from nbkit.ops.reference_attention import AttnCall, doc_attention
+    from nbkit.ops.sink_attention import sink_attention
 
     torch.manual_seed(0)
     lens = [300, 17, 900, 64, 1]
@@ -54,7 +54,7 @@ def test_bf16_matches_exact_fp32_loop_with_grads(window):
     pieces = []
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         kh, vh = (x[a:b].repeat_interleave(H // KV, 1).transpose(0, 1) for x in (k, v))
-        pieces.append(_doc_attention(q[a:b].transpose(0, 1), kh, vh, call, training=False).transpose(0, 1))
+        pieces.append(doc_attention(q[a:b].transpose(0, 1), kh, vh, call, training=False).transpose(0, 1))
     ref = torch.cat(pieces)
     ref_grads = torch.autograd.grad((ref * weight).sum(), ref_leaves)
     assert _rel(out, ref) < 2e-2, _rel(out, ref)
@@ -64,7 +64,8 @@ def test_bf16_matches_exact_fp32_loop_with_grads(window):
 
 def test_packed_gpt_oss_uses_varlen_and_matches_plain():
     from nbkit.demo.models import tiny_model
-    from nbkit.packing import PackedAttention, metadata_from_lengths
+    from nbkit.ops.packed_boundaries import metadata_from_lengths
+    from nbkit.speedups.packed_attention import PackedAttention
 
     lens = [300, 17, 200, 64]
     g = torch.Generator().manual_seed(0)

@@ -9,8 +9,8 @@ matrix products. Liger-Kernel already ships one Triton kernel per op with a matc
 How it hooks in:
 - RMSNorm modules and gated MLPs get an instance ``forward`` that calls Liger's op (removed on ``detach``).
 - RoPE is a module-level function that the attention calls by name, so the only way in is to replace
-  ``modeling_<family>.apply_rotary_pos_emb`` for the duration of the run (explicit, restored on ``detach``, skipped
-  when someone else already replaced it).
+  ``modeling_<family>.apply_rotary_pos_emb`` for the duration of the run: the one patch of a module-level function
+  in nbkit, made through the ledger (restored on ``detach``, skipped when someone else already replaced it).
 
 Contract: only families whose RMSNorm casting, MLP activation and RoPE layout are known to match Liger's are touched
 (``FAMILIES``); any other module keeps its own forward. Liger's kernels need a CUDA (or other Triton) device; on CPU
@@ -27,7 +27,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch import nn
 
-from .speedup import unwrap_model
+from .ledger import PatchLedger, unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +111,7 @@ class FusedKernels:
         """``ops``: the kernels to use (default: Liger-Kernel's; tests pass reference ops to run on CPU)."""
         self.rope = rope
         self.ops = ops
-        self._modules: list[nn.Module] = []
-        self._patched: list[tuple[Any, str, Any, Any]] = []  # (module, attribute, original, ours)
+        self._ledger = PatchLedger(self.name)
         self.kernel: Optional[str] = None
         self.counts: dict[str, int] = {}
 
@@ -142,20 +141,17 @@ class FusedKernels:
             cls = type(module).__name__
             if cls.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), torch.Tensor) \
                     and module.weight.dim() == 1:
-                module.forward = _rms_forward(module, ops.rms_norm, offset, casting)
+                self._ledger.set(module, "forward", _rms_forward(module, ops.rms_norm, offset, casting))
                 counts["rms_norm"] += 1
             elif all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj")) \
                     and _activation_name(module, text_config) in want_act:
-                module.forward = _mlp_forward(module, ops.swiglu if gate == "swiglu" else ops.geglu)
+                self._ledger.set(module, "forward", _mlp_forward(module, ops.swiglu if gate == "swiglu" else ops.geglu))
                 counts[gate] += 1
-            else:
-                continue
-            self._modules.append(module)
         if self.rope and rope:
             counts["rope"] = self._patch_rope(type(base).__module__, ops.rope)
         self.counts = counts
         self.kernel = ops.source
-        return bool(self._modules) or bool(self._patched)
+        return len(self._ledger) > 0
 
     def _patch_rope(self, module_name: str, op: Callable) -> int:
         """Replace the family's ``apply_rotary_pos_emb`` while attached (the attention calls it by module name)."""
@@ -166,16 +162,8 @@ class FusedKernels:
         original = getattr(mod, "apply_rotary_pos_emb", None)
         if original is None or getattr(original, "__module__", None) != module_name:
             return 0  # absent, or already replaced by someone else (Liger's own patching, another trainer)
-        fused = _rope_function(op)
-        setattr(mod, "apply_rotary_pos_emb", fused)
-        self._patched.append((mod, "apply_rotary_pos_emb", original, fused))
+        self._ledger.set(mod, "apply_rotary_pos_emb", _rope_function(op))
         return 1
 
     def detach(self) -> None:
-        for module in self._modules:
-            module.__dict__.pop("forward", None)
-        self._modules = []
-        for mod, attr, original, ours in reversed(self._patched):
-            if getattr(mod, attr, None) is ours:
-                setattr(mod, attr, original)
-        self._patched = []
+        self._ledger.undo()

@@ -23,7 +23,7 @@ sum. This module computes the same numbers with:
   ``_LoraUpAct``). Otherwise (``lora="unfused"``, CPU, other gates) each product is a separate grouped/loop matmul
   (rank padded to a multiple of 8 for ``grouped_mm``).
 
-Contract (see ``nbkit.speedup``): ``FastMoERouting().attach(model)`` registers ``nbkit_experts_forward`` under
+Contract (see ``nbkit.speedups.ledger``): ``FastMoERouting().attach(model)`` registers ``nbkit_experts_forward`` under
 the name ``"nbkit"`` (idempotent), selects it through ``model.set_experts_implementation`` (or the experts'
 config attribute for a bare module), plans a backend per experts module (kept on the module as
 ``_nbkit_moe_plan``), and, for PEFT ``ParamWrapper`` chains around experts, replaces the outermost wrapper's
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nbkit.speedup import unwrap_model
+from nbkit.speedups.ledger import unwrap_model
 
 try:  # optional: the fused CUDA kernels
     import triton

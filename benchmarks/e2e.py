@@ -17,9 +17,9 @@ operator and by module (forward ranges per module type; backward by autograd nod
 
 Prediction for the 1.7B / 16K workload, FastSFT vs plain ``sft``: see BENCHMARKS.md (written before the run).
 
-    python -m nbkit.bench.e2e --shape 1.7b --tokens 16384 --paths sft,fastsft
-    python -m nbkit.bench.e2e --shape 1.7b --profile fastsft
-    python -m nbkit.bench.e2e --tiny          # CPU smoke run (bf16 LoRA, no quantization)
+    python -m benchmarks.e2e --shape 1.7b --tokens 16384 --paths sft,fastsft
+    python -m benchmarks.e2e --shape 1.7b --profile fastsft
+    python -m benchmarks.e2e --tiny          # CPU smoke run (bf16 LoRA, no quantization)
 """
 
 from __future__ import annotations

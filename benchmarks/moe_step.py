@@ -20,7 +20,7 @@ per document as well) gives FastSFT and SFTTrainer the same loss (the CPU test c
 
 Paths: ``sft`` (SFTTrainer: eager attention with a dense causal mask over each row, experts on transformers'
 ``grouped_mm``), ``fast`` (FastSFT defaults: per-document attention with sinks on the varlen kernel,
-``nbkit.sink_attention``, or the exact fp32 loop where its probe fails; nbkit MoE routing), ``fast_noroute``
+``nbkit.ops.sink_attention``, or the exact fp32 loop where its probe fails; nbkit MoE routing), ``fast_noroute``
 (FastSFT with ``fast_moe_routing=False``: separates the routing gain from the attention gain), and the same three
 with LoRA r=16 (PEFT ``target_parameters`` on both expert tensors + ``target_modules`` q/k/v/o): ``sft_lora``,
 ``fast_lora``, ``fast_lora_noroute``. Full fine-tune rows are compared with ``sft``, LoRA rows with ``sft_lora``.
@@ -37,7 +37,7 @@ Prediction (written before the first run; H200, 4 layers, 16,384 tokens per step
   Losses (bfd): FastSFT vs SFTTrainer differ (cross-document attention in the plain path, see above) by ~1e-3
   relative on random weights; FastSFT vs its no-routing row within bf16 noise (~1e-3).
 
-    python -m nbkit.bench.moe_step [--layers 4] [--tokens 16384] [--row 4096] [--steps 5] [--warmup 2]
+    python -m benchmarks.moe_step [--layers 4] [--tokens 16384] [--row 4096] [--steps 5] [--warmup 2]
                                    [--paths sft,fast,fast_noroute,sft_lora,fast_lora,fast_lora_noroute]
                                    [--packing bfd|off] [--tiny] [--profile PATH]
 """

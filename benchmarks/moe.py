@@ -48,9 +48,9 @@ du = gy B (1 u), du A inside the gate backward (0), dx += du A in place (2 u), f
 reaches here (inferred from the full fine-tune row), leaving < 2 ms for dispatch, gate, combine, their backward
 and the LoRA terms (>= ~17 u of traffic even fully fused): out of reach without a faster grouped GEMM.
 The fused gate kernels hold 64x64 tiles at ~245 registers (8 warps, one program per SM): if they stream below
-~3 TB/s, ``--profile`` shows it (kernels ``_lk_act_fwd``/``_lk_act_bwd``), and ``nbkit.moe._LORA_TILES`` retiles.
+~3 TB/s, ``--profile`` shows it (kernels ``_lk_act_fwd``/``_lk_act_bwd``), and ``nbkit.speedups.moe._LORA_TILES`` retiles.
 
-    python -m nbkit.bench.moe [--tokens 16384] [--steps 7] [--skip-model] [--profile] [--lora-tiles SPEC] [--tiny]
+    python -m benchmarks.moe [--tokens 16384] [--steps 7] [--skip-model] [--profile] [--lora-tiles SPEC] [--tiny]
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from nbkit import moe
-from nbkit.moe import FastMoERouting
+from nbkit.speedups import moe
+from nbkit.speedups.moe import FastMoERouting
 
 from .common import environment, event, peak_memory, write_results
 
@@ -184,7 +184,7 @@ def _profile(step: Callable[[], None], name: str) -> str:
 
 
 def parse_tiles(spec: str) -> list[dict]:
-    """``"act_fwd=64x32x8,act_bwd=32x64x8;expand=64x128x8"`` -> one dict of ``nbkit.moe._LORA_TILES`` overrides
+    """``"act_fwd=64x32x8,act_bwd=32x64x8;expand=64x128x8"`` -> one dict of ``nbkit.speedups.moe._LORA_TILES`` overrides
     (rows x columns x warps per kernel) per ``;``-separated set."""
     sets = []
     for part in filter(None, (p.strip() for p in spec.split(";"))):

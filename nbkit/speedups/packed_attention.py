@@ -9,7 +9,7 @@ Contract:
   ``cu_seq_lens_q/k`` (int32) and ``max_length_q/k`` (Python ints), exactly TRL's keys, plus
   ``nbkit_cu_seqlens_host`` (a tuple of ints) for kernels that loop over documents on the host. The trainer moves
   the tensors to the device with the batch; nothing is rebuilt later.
-- ``PackedAttention`` (a speedup, see ``nbkit.speedup``) switches one model to the ``"nbkit"`` attention
+- ``PackedAttention`` (a speedup, see ``nbkit.speedups.ledger``) switches one model to the ``"nbkit"`` attention
   implementation and installs a forward pre-hook on its decoder that hands every layer the same per-forward
   ``PackedRun`` (metadata + the kernel chosen at attach). If a forward arrives without collated metadata, the hook
   derives it once for that forward (counted in ``metadata_builds``); a forward with a padding mask or a KV cache
@@ -18,74 +18,36 @@ Contract:
 
 Kernels, chosen once at attach: ``flash_attn`` (flash-attn's varlen kernel, if installed), ``varlen``
 (``torch.nn.attention.varlen.varlen_attn``, CUDA, fp16/bf16; gpt-oss's attention sinks through
-``nbkit.sink_attention`` on the same flash ops), ``flex`` (flex attention, block mask built once per
+``nbkit.ops.sink_attention`` on the same flash ops), ``flex`` (flex attention, block mask built once per
 forward), ``sdpa_loop`` (one SDPA call per document over the host offsets; never a T x T mask; handles soft-capping
 and attention sinks exactly; the path for CPUs and GPUs without flash kernels such as the T4).
+Kernels live in ``nbkit.ops.varlen_attention``; this module wires them into transformers.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from .sink_attention import sink_attention, sink_kernel_works
-from .speedup import unwrap_model
+from ..ops.packed_boundaries import metadata_from_lengths, metadata_from_position_ids
+from ..ops.reference_attention import AttnCall
+from ..ops.sink_attention import sink_kernel_works
+from ..ops.varlen_attention import (
+    KERNEL_FNS,
+    KERNELS,
+    PackedRun,
+    flash_attn_available,
+    varlen_available,
+)
+from .ledger import PatchLedger, unwrap_model
 
 logger = logging.getLogger(__name__)
 
 ATTN_NAME = "nbkit"
-KERNELS = ("flash_attn", "varlen", "flex", "sdpa_loop")
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Metadata, built on the host
-# --------------------------------------------------------------------------------------------------------------------
-def metadata_from_lengths(lengths: list[int] | tuple[int, ...]) -> dict[str, Any]:
-    """Boundaries of documents of the given lengths laid end to end in one row (host tensors + ints)."""
-    lengths = [int(n) for n in lengths]
-    if not lengths or min(lengths) <= 0:
-        raise ValueError(f"document lengths must be positive, got {lengths[:8]}")
-    offsets = [0]
-    for n in lengths:
-        offsets.append(offsets[-1] + n)
-    cu = torch.tensor(offsets, dtype=torch.int32)
-    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
-    return {
-        "position_ids": position_ids,
-        "cu_seq_lens_q": cu,
-        "cu_seq_lens_k": cu,
-        "max_length_q": max(lengths),
-        "max_length_k": max(lengths),
-        "nbkit_cu_seqlens_host": tuple(offsets),
-    }
-
-
-def metadata_from_position_ids(position_ids: torch.Tensor) -> dict[str, Any]:
-    """Boundaries from a (1, T) or (B, S) position-id tensor: a document starts wherever the position is 0.
-
-    Runs on the tensor's device and reads the result back once (one sync when it is on a GPU). Used only when a
-    forward arrives without collated metadata.
-    """
-    flat = position_ids.reshape(-1)
-    starts = (flat == 0).nonzero().flatten()
-    if starts.numel() == 0 or int(starts[0]) != 0:
-        starts = torch.cat([starts.new_zeros(1), starts])
-    bounds = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
-    host = tuple(int(x) for x in bounds.cpu().tolist())
-    lengths = [b - a for a, b in zip(host[:-1], host[1:])]
-    return {
-        "cu_seq_lens_q": bounds,
-        "cu_seq_lens_k": bounds,
-        "max_length_q": max(lengths),
-        "max_length_k": max(lengths),
-        "nbkit_cu_seqlens_host": host,
-    }
 
 
 @dataclass
@@ -109,139 +71,6 @@ class PackedCollator:
         batch["nbkit_cu_seqlens_host"] = tuple(int(x) for x in cu.tolist())
         self.builds += 1
         return batch
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Kernels: q, k, v are (T, H, D) views of one flattened row; each returns (T, Hq, D)
-# --------------------------------------------------------------------------------------------------------------------
-@dataclass
-class AttnCall:
-    """What one layer's attention needs besides q, k, v."""
-
-    scaling: float
-    window: int | None  # transformers' sliding_window: a query sees the last `window` keys, itself included
-    softcap: float | None
-    sinks: torch.Tensor | None
-    dropout: float
-
-
-def _flash_attn_kernel(q, k, v, run: "PackedRun", call: AttnCall) -> torch.Tensor:
-    from flash_attn import flash_attn_varlen_func
-
-    kwargs = {"softmax_scale": call.scaling, "causal": True, "dropout_p": call.dropout}
-    if call.window is not None:
-        kwargs["window_size"] = (call.window - 1, 0)
-    if call.softcap:
-        kwargs["softcap"] = call.softcap
-    return flash_attn_varlen_func(q, k, v, run.cu_q, run.cu_k, run.max_q, run.max_k, **kwargs)
-
-
-_VARLEN_HAS_GQA: bool | None = None
-
-
-def _varlen_kernel(q, k, v, run: "PackedRun", call: AttnCall) -> torch.Tensor:
-    from torch.nn.attention.varlen import varlen_attn
-
-    global _VARLEN_HAS_GQA
-    if call.sinks is not None:  # gpt-oss: the same flash kernel, rows rescaled by the sink (nbkit.sink_attention)
-        return sink_attention(q, k, v, call.sinks, run.cu_q, run.max_q, call.scaling, call.window)
-    if _VARLEN_HAS_GQA is None:  # read the signature once per process
-        _VARLEN_HAS_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters
-    window = (call.window - 1, 0) if call.window is not None else (-1, 0)
-    kwargs = {"scale": call.scaling, "window_size": window}
-    if _VARLEN_HAS_GQA and q.shape[1] != k.shape[1]:
-        kwargs["enable_gqa"] = True
-    return varlen_attn(q, k, v, run.cu_q, run.cu_k, run.max_q, run.max_k, **kwargs)
-
-
-def _doc_attention(q, k, v, call: AttnCall, training: bool) -> torch.Tensor:
-    """Exact causal attention of one document; q/k/v are (H, n, D) with k/v already expanded to q's heads."""
-    n = q.shape[1]
-    simple = call.softcap is None and call.sinks is None and (call.window is None or call.window >= n)
-    if simple:
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=call.scaling, dropout_p=call.dropout if training else 0.0
-        )
-    q, k = q.float(), k.float()  # this path exists for exactness: scores and softmax in fp32
-    scores = torch.matmul(q, k.transpose(-1, -2)) * call.scaling
-    if call.softcap is not None:
-        scores = torch.tanh(scores / call.softcap) * call.softcap
-    i = torch.arange(n, device=q.device)
-    allowed = i[None, :] <= i[:, None]
-    if call.window is not None:
-        allowed &= i[None, :] > i[:, None] - call.window
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    if call.sinks is not None:
-        sink = call.sinks.float().reshape(-1, 1, 1).expand(-1, n, 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    if training and call.dropout > 0:
-        probs = F.dropout(probs, p=call.dropout)
-    return torch.matmul(probs, v.float()).to(v.dtype)
-
-
-def _sdpa_loop_kernel(q, k, v, run: "PackedRun", call: AttnCall) -> torch.Tensor:
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (H, T, D)
-    out = torch.empty_like(qh)
-    offsets = run.host_offsets
-    for a, b in zip(offsets[:-1], offsets[1:]):
-        if b > a:
-            out[:, a:b] = _doc_attention(qh[:, a:b], kh[:, a:b], vh[:, a:b], call, run.training)
-    return out.transpose(0, 1)
-
-
-def _flex_kernel(q, k, v, run: "PackedRun", call: AttnCall) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import flex_attention
-
-    block_mask = run.flex_block_mask(call.window, q.device)
-    score_mod = None
-    if call.softcap is not None:
-        cap = call.softcap
-
-        def score_mod(score, b, h, qi, ki):  # noqa: ANN001 - flex's signature
-            return torch.tanh(score / cap) * cap
-
-    out = run.flex_fn(
-        q.transpose(0, 1)[None],
-        k.transpose(0, 1)[None],
-        v.transpose(0, 1)[None],
-        block_mask=block_mask,
-        score_mod=score_mod,
-        scale=call.scaling,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    return out[0].transpose(0, 1)
-
-
-_KERNEL_FNS = {
-    "flash_attn": _flash_attn_kernel,
-    "varlen": _varlen_kernel,
-    "flex": _flex_kernel,
-    "sdpa_loop": _sdpa_loop_kernel,
-}
-
-
-def flash_attn_available() -> bool:
-    try:
-        import flash_attn  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def varlen_available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except Exception:
-        return False
-    return torch.cuda.get_device_capability() >= (8, 0)  # the flash kernel behind it needs sm80+
 
 
 def choose_kernel(requested: str, config: Any, device: torch.device) -> tuple[str, str | None]:
@@ -290,45 +119,6 @@ def choose_kernel(requested: str, config: Any, device: torch.device) -> tuple[st
     return "sdpa_loop", None
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Per-forward state and the attention function
-# --------------------------------------------------------------------------------------------------------------------
-@dataclass
-class PackedRun:
-    """Everything the layers of one forward share. Built once per forward by the decoder pre-hook."""
-
-    kernel: Callable[..., torch.Tensor]
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    max_q: int
-    max_k: int
-    host_offsets: tuple[int, ...] | None
-    training: bool
-    flex_fn: Callable | None = None
-    _flex_masks: dict = field(default_factory=dict)
-
-    def flex_block_mask(self, window: int | None, device: torch.device):
-        """The flex block mask for this forward's documents, built once per (window) and reused by every layer."""
-        key = window
-        if key not in self._flex_masks:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            total = self.host_offsets[-1] if self.host_offsets else None
-            lengths = self.cu_q.diff()
-            doc = torch.repeat_interleave(
-                torch.arange(lengths.numel(), device=device), lengths.to(device), output_size=total
-            )
-
-            def mask_mod(b, h, qi, ki):  # noqa: ANN001 - flex's signature
-                ok = (doc[qi] == doc[ki]) & (ki <= qi)
-                if window is not None:
-                    ok = ok & (qi - ki < window)
-                return ok
-
-            self._flex_masks[key] = create_block_mask(mask_mod, None, None, doc.numel(), doc.numel(), device=device)
-        return self._flex_masks[key]
-
-
 def nbkit_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -350,14 +140,14 @@ def nbkit_attention_forward(
     if run is None:
         raise RuntimeError(
             "the 'nbkit' attention was called without nbkit's per-forward metadata: attach it with "
-            "nbkit.packing.PackedAttention (FastSFT does this) instead of setting attn_implementation by hand"
+            "nbkit.speedups.packed_attention.PackedAttention (FastSFT does this) instead of setting attn_implementation by hand"
         )
     bsz, _, seq, _ = query.shape
     q = query.transpose(1, 2).reshape(bsz * seq, query.shape[1], query.shape[3])
     k = key.transpose(1, 2).reshape(bsz * seq, key.shape[1], key.shape[3])
     v = value.transpose(1, 2).reshape(bsz * seq, value.shape[1], value.shape[3])
-    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)) and run.kernel in (_varlen_kernel, _flash_attn_kernel):
-        kernel = _sdpa_loop_kernel  # fp32 or CPU tensors: the fused kernels do not run them
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)) and run.kernel in (KERNEL_FNS["varlen"], KERNEL_FNS["flash_attn"]):
+        kernel = KERNEL_FNS["sdpa_loop"]  # fp32 or CPU tensors: the fused kernels do not run them
     else:
         kernel = run.kernel
     call = AttnCall(
@@ -401,8 +191,8 @@ class PackedAttention:
         self._model: torch.nn.Module | None = None
         self._config = None
         self._original_impl: str | None = None
-        self._hooks: list = []
         self._flex_fn = None
+        self._ledger = PatchLedger(self.name)
 
     # -- attach / detach -------------------------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module) -> bool:
@@ -429,23 +219,19 @@ class PackedAttention:
             self._flex_fn = torch.compile(flex_attention, dynamic=True) if device.type == "cuda" else flex_attention
         register_attention()
         self._model, self._config = base, config
-        self._original_impl = config._attn_implementation
+        self._original_impl = original = config._attn_implementation
         base.set_attn_implementation(ATTN_NAME)
-        self._hooks = [
-            decoder.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
-            decoder.register_forward_hook(self._post_forward, always_call=True),
-        ]
+        self._ledger.call("attn_implementation", lambda: base.set_attn_implementation(original))
+        self._ledger.hook(decoder.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+        self._ledger.hook(decoder.register_forward_hook(self._post_forward, always_call=True))
         logger.info("nbkit: packed attention attached (%s kernel, family %s)", self.kernel, family)
         return True
 
     def detach(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        if self._model is not None and self._original_impl is not None:
-            self._model.set_attn_implementation(self._original_impl)
+        self._ledger.undo()
         self._model = self._config = None
         self._original_impl = None
+        self._flex_fn = None
 
     @staticmethod
     def _find_decoder(base: torch.nn.Module) -> torch.nn.Module | None:
@@ -493,7 +279,7 @@ class PackedAttention:
             kwargs.update(meta)
         host = kwargs.get("nbkit_cu_seqlens_host")
         kwargs["nbkit_run"] = PackedRun(
-            kernel=_KERNEL_FNS[self.kernel],
+            kernel=KERNEL_FNS[self.kernel],
             cu_q=kwargs["cu_seq_lens_q"],
             cu_k=kwargs["cu_seq_lens_k"],
             max_q=int(kwargs["max_length_q"]),

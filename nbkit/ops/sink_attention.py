@@ -1,7 +1,7 @@
 """Attention sinks (gpt-oss) on the varlen flash kernel: one kernel call per layer instead of a per-document loop.
 
 Why: gpt-oss adds a learned per-head "sink" logit to every softmax row. No varlen kernel in torch takes it, so packed
-gpt-oss training looped over documents in fp32 (``packing._doc_attention``): ~25 copies and casts per document, and a
+gpt-oss training looped over documents in fp32 (``reference_attention.doc_attention``): ~25 copies and casts per document, and a
 host-bound step (profiled on an H200: copies and casts 23% of GPU time, the GPU idle a third of the step).
 
 The sink only rescales each row. With ``o`` and ``L`` the output and log-sum-exp of plain causal attention over the
@@ -27,6 +27,8 @@ import logging
 from typing import Any, Optional, Protocol
 
 import torch
+
+from .reference_attention import AttnCall, doc_attention
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +131,6 @@ def _probe(device_index: int) -> Optional[str]:
 
 
 def _compare(q, k, v, sinks, cu, lengths, hq, hkv, d) -> Optional[str]:  # noqa: ANN001 - the probe's tensors
-    from .packing import AttnCall, _doc_attention  # the exact fp32 loop is the reference
 
     bounds = list(zip((0, lengths[0]), (lengths[0], sum(lengths))))
     for window in (None, 16):
@@ -140,7 +141,7 @@ def _compare(q, k, v, sinks, cu, lengths, hq, hkv, d) -> Optional[str]:  # noqa:
         for a, b in bounds:
             qh, kh, vh = (x[a:b].float().transpose(0, 1) for x in (q, k, v))
             kh, vh = kh.repeat_interleave(hq // hkv, 0), vh.repeat_interleave(hq // hkv, 0)
-            ref.append(_doc_attention(qh, kh, vh, call, training=False).transpose(0, 1))
+            ref.append(doc_attention(qh, kh, vh, call, training=False).transpose(0, 1))
         ref_out = torch.cat(ref)
         ref_grads = torch.autograd.grad(ref_out.square().sum(), (q, k, v, sinks))
         for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads), (ref_out, *ref_grads)):

@@ -3,14 +3,14 @@
 Workload (issue 3): Qwen3-8B- and Qwen3-14B-shaped models with random weights, QLoRA (bitsandbytes nf4 with double
 quantization, bf16 compute, LoRA r=16 on all 7 projections), one packed row of 16K / 32K tokens per step from
 documents of about 400 tokens, passed like TRL's padding-free collator (position_ids, cu_seq_lens_q/k,
-max_length_q/k). Attention: nbkit's packed ("nbkit", varlen) attention when ``nbkit.packing`` is present, else
+max_length_q/k). Attention: nbkit's packed ("nbkit", varlen) attention when ``nbkit.speedups.packed_attention`` is present, else
 "sdpa" (a dense T x T block mask; O(T^2), said in the output). The LM head + cross-entropy runs in checkpointed 4K
 token chunks in every config, so the decoder stack, not 32K x 152K logits, decides peak memory. A step is forward +
 backward (no optimizer: LoRA's AdamW update is ~1 ms and the same in every config).
 
 Configs: ``no_ckpt`` (where it fits), ``ckpt`` (transformers' non-reentrant checkpointing), ``ckpt_offload``
 (transformers' ``offload=True``: torch ``save_on_cpu``, copies on the compute stream), ``nbkit_single``,
-``nbkit_double`` (nbkit.offload with one / two restore buffers).
+``nbkit_double`` (nbkit.speedups.offload with one / two restore buffers).
 
 Prediction (written before the first run; n = one layer's checkpointed input = tokens x hidden x 2 bytes):
 
@@ -49,10 +49,10 @@ So a D2H copy is ~11-15% of a layer's forward and an H2D copy ~5-7% of its backw
   40 x 2 GiB up to 209,715 tokens and 40 x 4 GiB (more than the host has) past it. The search takes ~3.5 min of
   tries ('peak' tries: forward + the backward of the last 4 layers) on the H200; ~5.5 min with full steps.
 
-    python -m nbkit.bench.offload [--models 8b,14b] [--tokens 16384,32768] [--layers 8] [--warmup 1] [--steps 3]
-    python -m nbkit.bench.offload --models 8b --tokens 16384,32768 --layers 0     # full depth, ~3 min
-    python -m nbkit.bench.offload --longest [--longest-budget 210] [--longest-probe peak|full]
-    python -m nbkit.bench.offload --tiny [--longest]     # CPU smoke runs of the same code
+    python -m benchmarks.offload [--models 8b,14b] [--tokens 16384,32768] [--layers 8] [--warmup 1] [--steps 3]
+    python -m benchmarks.offload --models 8b --tokens 16384,32768 --layers 0     # full depth, ~3 min
+    python -m benchmarks.offload --longest [--longest-budget 210] [--longest-probe peak|full]
+    python -m benchmarks.offload --tiny [--longest]     # CPU smoke runs of the same code
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nbkit.offload import OffloadedCheckpointing, release_host_cache
+from nbkit.ops.offload_lanes import release_host_cache
+from nbkit.speedups.offload import OffloadedCheckpointing
 
 from .common import environment, event, peak_memory, write_results
 
@@ -145,11 +146,11 @@ def attach_attention(model: nn.Module, requested: str) -> tuple[Any, str]:
     """nbkit's packed attention when available (and not overridden), else plain "sdpa" (dense block mask)."""
     if requested in ("auto", "nbkit"):
         try:
-            from nbkit.packing import PackedAttention
+            from nbkit.speedups.packed_attention import PackedAttention
         except ImportError as err:
             if requested == "nbkit":
                 raise
-            return None, f"sdpa (dense block mask; nbkit.packing unavailable: {err})"
+            return None, f"sdpa (dense block mask; nbkit.speedups.packed_attention unavailable: {err})"
         packed = PackedAttention("auto")
         if packed.attach(model):
             return packed, f"nbkit ({packed.kernel} kernel)"
@@ -442,7 +443,7 @@ PRIORS_14B_40 = {
     "nbkit_double": (155648, 89.30 - 155648 * 10240 / 2**30, 0.000517 - 10240 / 2**30),
 }
 PIN_S_PER_GIB = {"ckpt_offload": 0.6, "nbkit_double": 0.25, "nbkit_single": 0.25}  # first touch of pinned memory there
-HOST_RESERVE = 4 * GiB  # host memory left to everything else (as nbkit.offload does)
+HOST_RESERVE = 4 * GiB  # host memory left to everything else (as nbkit.speedups.offload does)
 
 
 class _PeakPassed(Exception):
@@ -474,7 +475,7 @@ def host_limit_tokens(name: str, layers: int, hidden: int, room: int) -> Optiona
 
 
 def _host_room() -> int:
-    from nbkit.offload import host_available
+    from nbkit.ops.offload_lanes import host_available
 
     avail = host_available()
     return (avail if avail is not None else 2**50) - HOST_RESERVE
@@ -684,7 +685,7 @@ def longest(args: argparse.Namespace, device: str) -> list[dict]:
     without running. Each config gets an equal share of what is left of ``--longest-budget``; a try predicted not to
     fit is skipped, a try running past it is cut ("time cap"). Results are written after each config.
     """
-    from nbkit.offload import host_available
+    from nbkit.ops.offload_lanes import host_available
 
     model, causal, build_s = build_qlora(args.longest_model, args.longest_layers, device)
     packed, attn_note = attach_attention(model, args.attn)
@@ -719,7 +720,7 @@ def longest(args: argparse.Namespace, device: str) -> list[dict]:
 
 def _meminfo_gib() -> dict:
     """Host memory as the kernel shows it, and the RAM its zones hold (initialized or not: a lazily growing VM)."""
-    from nbkit.offload import _meminfo
+    from nbkit.memory import meminfo as _meminfo
 
     m = _meminfo()
     out = {k: round(m[k] / GiB, 1) for k in ("MemTotal", "MemFree", "MemAvailable", "Mlocked") if k in m}
@@ -803,7 +804,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\nCopy / compute overlap (one profiled step, torch.profiler):\n")
         print(overlap_table(overlaps))
     if any(r.get("offload_stats") for r in rows):
-        print("\nnbkit restores per step (nbkit.offload's timed CUDA events; 'compute ahead': compute-stream time from "
+        print("\nnbkit restores per step (nbkit.speedups.offload's timed CUDA events; 'compute ahead': compute-stream time from "
               "a prefetch's issue to its use):\n")
         print(prefetch_table(rows))
     print(f"\nOffloaded checkpointing, QLoRA, forward+backward per step ({time.monotonic() - started:.0f} s):\n")

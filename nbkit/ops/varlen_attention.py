@@ -1,0 +1,155 @@
+"""Causal attention over the documents of one packed row: four kernels with one signature.
+
+Each kernel takes q, k, v as (T, H, D) views of the flattened row (k/v may have fewer heads: grouped-query), the
+forward's ``PackedRun`` (boundaries, chosen once per forward) and the layer's ``AttnCall``, and returns (T, Hq, D).
+Kernels: ``flash_attn`` (flash-attn's varlen kernel), ``varlen`` (``torch.nn.attention.varlen.varlen_attn``; gpt-oss's
+sinks through ``sink_attention`` on the same flash ops), ``flex`` (flex attention, one block mask per forward and
+window), ``sdpa_loop`` (one exact ``doc_attention`` call per document over host offsets; never a T x T mask).
+Pure torch: nothing here imports transformers.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .reference_attention import AttnCall, doc_attention
+from .sink_attention import sink_attention
+
+KERNELS = ("flash_attn", "varlen", "flex", "sdpa_loop")
+
+
+@dataclass
+class PackedRun:
+    """Everything the layers of one forward share. Built once per forward by the decoder pre-hook."""
+
+    kernel: Callable[..., torch.Tensor]
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    host_offsets: tuple[int, ...] | None
+    training: bool
+    flex_fn: Callable | None = None
+    _flex_masks: dict = field(default_factory=dict)
+
+    def flex_block_mask(self, window: int | None, device: torch.device):
+        """The flex block mask for this forward's documents, built once per (window) and reused by every layer."""
+        key = window
+        if key not in self._flex_masks:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            total = self.host_offsets[-1] if self.host_offsets else None
+            lengths = self.cu_q.diff()
+            doc = torch.repeat_interleave(
+                torch.arange(lengths.numel(), device=device), lengths.to(device), output_size=total
+            )
+
+            def mask_mod(b, h, qi, ki):  # noqa: ANN001 - flex's signature
+                ok = (doc[qi] == doc[ki]) & (ki <= qi)
+                if window is not None:
+                    ok = ok & (qi - ki < window)
+                return ok
+
+            self._flex_masks[key] = create_block_mask(mask_mod, None, None, doc.numel(), doc.numel(), device=device)
+        return self._flex_masks[key]
+
+
+def _flash_attn_kernel(q, k, v, run: PackedRun, call: AttnCall) -> torch.Tensor:
+    from flash_attn import flash_attn_varlen_func
+
+    kwargs = {"softmax_scale": call.scaling, "causal": True, "dropout_p": call.dropout}
+    if call.window is not None:
+        kwargs["window_size"] = (call.window - 1, 0)
+    if call.softcap:
+        kwargs["softcap"] = call.softcap
+    return flash_attn_varlen_func(q, k, v, run.cu_q, run.cu_k, run.max_q, run.max_k, **kwargs)
+
+
+_VARLEN_HAS_GQA: bool | None = None
+
+
+@functools.lru_cache(maxsize=None)
+def _varlen_takes_gqa() -> bool:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def _varlen_kernel(q, k, v, run: PackedRun, call: AttnCall) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    if call.sinks is not None:  # gpt-oss: the same flash kernel, rows rescaled by the sink (ops.sink_attention)
+        return sink_attention(q, k, v, call.sinks, run.cu_q, run.max_q, call.scaling, call.window)
+    window = (call.window - 1, 0) if call.window is not None else (-1, 0)
+    kwargs = {"scale": call.scaling, "window_size": window}
+    if q.shape[1] != k.shape[1] and _varlen_takes_gqa():
+        kwargs["enable_gqa"] = True
+    return varlen_attn(q, k, v, run.cu_q, run.cu_k, run.max_q, run.max_k, **kwargs)
+
+
+def _sdpa_loop_kernel(q, k, v, run: PackedRun, call: AttnCall) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (H, T, D)
+    out = torch.empty_like(qh)
+    offsets = run.host_offsets
+    for a, b in zip(offsets[:-1], offsets[1:]):
+        if b > a:
+            out[:, a:b] = doc_attention(qh[:, a:b], kh[:, a:b], vh[:, a:b], call, run.training)
+    return out.transpose(0, 1)
+
+
+def _flex_kernel(q, k, v, run: PackedRun, call: AttnCall) -> torch.Tensor:
+
+    block_mask = run.flex_block_mask(call.window, q.device)
+    score_mod = None
+    if call.softcap is not None:
+        cap = call.softcap
+
+        def score_mod(score, b, h, qi, ki):  # noqa: ANN001 - flex's signature
+            return torch.tanh(score / cap) * cap
+
+    out = run.flex_fn(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        block_mask=block_mask,
+        score_mod=score_mod,
+        scale=call.scaling,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out[0].transpose(0, 1)
+
+
+KERNEL_FNS = {
+    "flash_attn": _flash_attn_kernel,
+    "varlen": _varlen_kernel,
+    "flex": _flex_kernel,
+    "sdpa_loop": _sdpa_loop_kernel,
+}
+
+
+def flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def varlen_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.get_device_capability() >= (8, 0)  # the flash kernel behind it needs sm80+
+

@@ -1,0 +1,90 @@
+"""nbkit's speedups, and the one table the trainer chooses them from.
+
+Each entry names its ``FastSFTConfig`` switch, when it attaches, and how it is built from the run's arguments. A
+speedup module wires one idea into transformers/PEFT through a ``PatchLedger`` (``ledger.py``: what a speedup may
+touch); the numerics it runs live in ``nbkit.ops``.
+
+- ``stage="model"``: attached when ``train()`` / ``evaluate()`` starts, detached when it ends.
+- ``stage="train"``: attached when training begins (``on_train_begin``: after transformers has enabled gradient
+  checkpointing on the model), detached with the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Optional
+
+from ..config import switch
+from .ledger import PatchLedger, Speedup, unwrap_model
+
+__all__ = ["SPEEDUPS", "SpeedupSpec", "PatchLedger", "Speedup", "unwrap_model", "build"]
+
+
+@dataclass(frozen=True)
+class SpeedupSpec:
+    """One row of the table: the switch, the stage, and a builder that returns the speedup or None (switched off,
+    or not applicable to this run: then the plain path is TRL's own)."""
+
+    switch: str
+    stage: Literal["model", "train"]
+    build: Callable[[Any, bool], Optional[Speedup]]  # (args, batches are packed by nbkit's collator)
+
+
+def _packed(args: Any, packed_batches: bool) -> Optional[Speedup]:
+    if not (switch(args, "cached_packing") and packed_batches):
+        return None
+    from .packed_attention import PackedAttention
+
+    return PackedAttention(kernel=switch(args, "attention_kernel"))
+
+
+def _moe(args: Any, packed_batches: bool) -> Optional[Speedup]:
+    if not switch(args, "fast_moe_routing"):
+        return None
+    from .moe import FastMoERouting
+
+    return FastMoERouting()
+
+
+def _lora(args: Any, packed_batches: bool) -> Optional[Speedup]:
+    if not switch(args, "fused_lora"):
+        return None
+    from .fused_lora import FusedLoRA
+
+    return FusedLoRA()
+
+
+def _kernels(args: Any, packed_batches: bool) -> Optional[Speedup]:
+    mode = switch(args, "fused_kernels")
+    if mode is False:
+        return None
+    from .fused_kernels import FusedKernels, liger_ops
+
+    if mode == "auto" and liger_ops() is None:
+        return None  # quietly: auto means "where it is available"
+    return FusedKernels()
+
+
+def _offload(args: Any, packed_batches: bool) -> Optional[Speedup]:
+    mode = switch(args, "offload_checkpointing")
+    if mode is False or not getattr(args, "gradient_checkpointing", False):
+        return None
+    from .offload import OffloadedCheckpointing
+
+    return OffloadedCheckpointing(mode=mode, double_buffer=switch(args, "offload_double_buffer"),
+                                  min_bytes=switch(args, "offload_min_bytes"))
+
+
+SPEEDUPS: tuple[SpeedupSpec, ...] = (
+    SpeedupSpec("cached_packing", "model", _packed),
+    SpeedupSpec("fast_moe_routing", "model", _moe),
+    SpeedupSpec("fused_lora", "model", _lora),
+    SpeedupSpec("fused_kernels", "model", _kernels),
+    SpeedupSpec("offload_checkpointing", "train", _offload),
+)
+
+
+def build(stage: str, args: Any, packed_batches: bool) -> list[Speedup]:
+    """The speedups of ``stage`` this run's arguments switch on, in table order (attach order)."""
+    built = (spec.build(args, packed_batches) for spec in SPEEDUPS if spec.stage == stage)
+    return [s for s in built if s is not None]
