@@ -300,7 +300,7 @@ def test_config_switch_builds_offload_from_the_speedup_table(tmp_path, gc_model,
     assert OffloadedCheckpointing().min_bytes == FastSFTConfig.offload_min_bytes
     on.detach()
     (auto,) = speedups.build("train", cfg(), False)
-    with caplog.at_level(logging.INFO, logger="nbkit.offload"):
+    with caplog.at_level(logging.INFO, logger="nbkit.speedups.offload"):
         assert auto.attach(gc_model) is False  # 'auto' never offloads from a CPU model
     assert any("auto" in r.getMessage() and "cpu" in r.getMessage() for r in caplog.records)
 

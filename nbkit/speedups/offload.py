@@ -49,7 +49,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from ..ops.offload_lanes import OffloadStats, _Lane, _Packed
 from .ledger import PatchLedger, unwrap_model
 
-logger = logging.getLogger("nbkit.speedups.offload")
+logger = logging.getLogger(__name__)
 
 Mode = Union[bool, Literal["auto"]]
 _MiB = 2**20
