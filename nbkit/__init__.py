@@ -6,7 +6,19 @@ Public API: ``FastSFT``, ``FastSFTConfig``, ``load_model``, ``LiveDashboard``. I
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+
+class _DropHubKernelHint(logging.Filter):
+    """bitsandbytes on AVX512-BF16 CPUs tries to fetch a kernel from the Hub when imported (which nbkit's imports of
+    PEFT/TRL cause) and logs "pip install kernels" when it cannot: advice that does not apply. Drop that one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "kernels-community" not in str(record.msg)
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropHubKernelHint())
 
 __version__ = "0.1.0"
 __all__ = ["FastSFT", "FastSFTConfig", "load_model", "LiveDashboard", "__version__"]

@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from .compat import enable_activation_checkpointing
+
 logger = logging.getLogger(__name__)
 
 # Pad-like tokens some tokenizers have without declaring a pad token, best first.
@@ -273,17 +275,13 @@ def load_model(
     if load_in_4bit and compute_dtype != torch.bfloat16:
         from peft import prepare_model_for_kbit_training
 
-        # freezes the base, upcasts unquantized weights to fp32, enables non-reentrant checkpointing
-        model = prepare_model_for_kbit_training(
-            model,
-            use_gradient_checkpointing=gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-        )
-    else:
-        if lora_r:
-            model.requires_grad_(False)
-        if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # freezes the base and upcasts unquantized weights to fp32; checkpointing is enabled below (non-reentrant
+        # needs no input-grad hook), under the name this transformers uses
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    elif lora_r:
+        model.requires_grad_(False)
+    if gradient_checkpointing:
+        enable_activation_checkpointing(model, {"use_reentrant": False})
     if gradient_checkpointing:
         model.config.use_cache = False  # the cache is useless in training and conflicts with checkpointing
 

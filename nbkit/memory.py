@@ -5,7 +5,7 @@ the notebooks and the per-rank gather all read memory through here, so every fig
   ``torch.cuda.max_memory_allocated``: since process start or the user's last reset (never reset here).
 - ``meminfo()``: ``/proc/meminfo`` in bytes; ``host_memory()``: (used, total) host RAM; ``process_rss()`` and
   ``peak_rss()``: this process's resident set now and at its peak.
-- ``fmt_bytes(n)``: "812 MiB" / "3.46 GiB" ("--" for None).
+- ``fmt_bytes(n)``: "812 MiB" / "3.46 GiB" ("--" for None); ``fmt_bytes(n, 1)``: "3.5 GiB".
 """
 
 from __future__ import annotations
@@ -123,9 +123,11 @@ def peak_bytes(device: Any) -> int:
     return reading.peak if reading is not None else peak_rss()
 
 
-def fmt_bytes(value: Optional[int]) -> str:
+def fmt_bytes(value: Optional[int], gib_digits: int = 2) -> str:
+    """Bytes for people: whole MiB below 1 GiB, GiB with ``gib_digits`` decimals above ("--" for None). Compact
+    displays (the dashboard) pass 1."""
     if value is None:
         return "--"
     if abs(value) >= GiB:
-        return f"{value / GiB:.2f} GiB"
+        return f"{value / GiB:.{gib_digits}f} GiB"
     return f"{value / MiB:.0f} MiB"

@@ -1,0 +1,173 @@
+"""The speedup contract, tested once for every speedup in ``nbkit.speedups.SPEEDUPS``.
+
+``attach`` then ``detach`` leaves the model exactly as found: every module's own attributes and hooks, the model
+config, and every module-level function of the transformers/PEFT modules loaded. While attached, the speedup must
+have changed something (else the comparison would prove nothing), and its ledger must hold every change. The only
+global act allowed is registering ``"nbkit"`` with transformers' attention/experts interfaces.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from nbkit.demo.models import tiny_model
+from nbkit.speedups import SPEEDUPS
+from nbkit.speedups.fused_kernels import FusedKernels, KernelOps
+from nbkit.speedups.fused_lora import FusedLoRA
+from nbkit.speedups.moe import FastMoERouting
+from nbkit.speedups.offload import OffloadedCheckpointing
+from nbkit.speedups.packed_attention import PackedAttention
+
+VOCAB = 97
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_state_dict_hooks", "_load_state_dict_pre_hooks")
+
+
+def _torch_ops() -> KernelOps:
+    """Plain-torch ops with Liger's functional signatures (Liger's own need a GPU)."""
+
+    def rms_norm(x, w, eps, offset=0.0, casting_mode="llama", in_place=True):
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        return ((offset + w.float()) * y).to(x.dtype)
+
+    def rope(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+        def rot(x):
+            half = x.shape[-1] // 2
+            return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+        return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+    return KernelOps(rms_norm, lambda a, b: torch.nn.functional.silu(a) * b,
+                     lambda a, b: torch.nn.functional.gelu(a, approximate="tanh") * b, rope, "reference")
+
+
+def _lora(model: torch.nn.Module) -> torch.nn.Module:
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+
+
+def _gc(model: torch.nn.Module) -> torch.nn.Module:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+# switch -> (model builder, speedup builder). Every row of the table must appear here.
+CASES: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[], Any]]] = {
+    "cached_packing": (lambda: tiny_model("qwen3", VOCAB), lambda: PackedAttention(kernel="auto")),
+    "fast_moe_routing": (lambda: _lora(tiny_model("qwen3_moe", VOCAB)), FastMoERouting),
+    "fused_lora": (lambda: _lora(tiny_model("llama", VOCAB)), FusedLoRA),
+    "fused_kernels": (lambda: tiny_model("gemma3", VOCAB), lambda: FusedKernels(ops=_torch_ops())),
+    "offload_checkpointing": (lambda: _gc(tiny_model("qwen3", VOCAB)), lambda: OffloadedCheckpointing(mode=True)),
+}
+
+
+def _watched_modules() -> list[Any]:
+    prefixes = ("transformers.models.", "transformers.integrations.", "peft.tuners.")
+    names = {"transformers.modeling_utils", "transformers.masking_utils", "torch.utils.checkpoint",
+             "torch.nn.functional"}
+    return [m for n, m in list(sys.modules.items())
+            if m is not None and (n in names or n.startswith(prefixes))]
+
+
+def _registries() -> dict[str, dict]:
+    from transformers import AttentionInterface
+
+    out = {"attention": dict(AttentionInterface._global_mapping)}
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+
+        out["experts"] = dict(ExpertsInterface._global_mapping)
+    except ImportError:
+        pass
+    return {k: {name: v for name, v in mapping.items() if name != "nbkit"} for k, mapping in out.items()}
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, Any]:
+    """Identity of everything a speedup could change: per module its own attributes and hooks; the configs; the
+    module-level objects of the loaded transformers/PEFT modules; the interface registries (bar "nbkit")."""
+    modules = {}
+    for name, m in model.named_modules():
+        own = {k: id(v) for k, v in vars(m).items() if k not in _HOOK_DICTS and k != "_modules"}
+        own["_modules"] = tuple((k, id(v)) for k, v in m._modules.items())
+        for k in _HOOK_DICTS:
+            hooks = getattr(m, k, None)
+            if hooks is not None:
+                own[k] = tuple((key, id(v)) for key, v in hooks.items())
+        modules[name] = own
+    configs = {}
+    for name, m in model.named_modules():
+        config = getattr(m, "config", None)
+        if config is not None and id(config) not in configs:
+            configs[id(config)] = repr(sorted((k, repr(v)) for k, v in vars(config).items()))
+    functions = {m.__name__: {k: id(v) for k, v in vars(m).items()} for m in _watched_modules()}
+    return {"modules": modules, "configs": configs, "functions": functions, "registries": _registries()}
+
+
+def differences(before: dict, after: dict) -> list[str]:
+    out = []
+    for name, own in before["modules"].items():
+        got = after["modules"].get(name)
+        if got != own:
+            keys = sorted(k for k in set(own) | set(got or {}) if (got or {}).get(k) != own.get(k))
+            out.append(f"module {name or '<root>'}: {keys}")
+    out += [f"module {n} added" for n in set(after["modules"]) - set(before["modules"])]
+    out += ["config changed" for k, v in before["configs"].items() if after["configs"].get(k) != v]
+    for mod, names in before["functions"].items():
+        got = after["functions"].get(mod, {})
+        changed = sorted(k for k in set(names) | set(got) if got.get(k) != names.get(k))
+        if changed:
+            out.append(f"{mod}: {changed[:5]}")
+    if after["registries"] != before["registries"]:
+        out.append("an interface registry changed beyond 'nbkit'")
+    return out
+
+
+def test_every_speedup_in_the_table_is_held_to_the_contract():
+    assert {spec.switch for spec in SPEEDUPS} == set(CASES)
+
+
+@pytest.mark.parametrize("switch", sorted(CASES))
+def test_attach_then_detach_leaves_model_modules_and_functions_as_found(switch, one_thread):
+    build_model, build_speedup = CASES[switch]
+    model = build_model()
+    speedup = build_speedup()
+    probe = build_speedup()  # a first attach/detach imports what the speedup needs: imports are not changes
+    assert probe.attach(model) is True
+    probe.detach()
+    before = snapshot(model)
+    assert speedup.attach(model) is True, f"{switch} did not attach to its model: the contract test proves nothing"
+    during = snapshot(model)
+    assert differences(before, during), f"{switch} attached but changed nothing this test can see"
+    assert len(speedup._ledger) > 0, f"{switch} made its changes outside its ledger"
+    speedup.detach()
+    assert differences(before, snapshot(model)) == []
+    speedup.detach()  # twice is safe
+    assert differences(before, snapshot(model)) == []
+
+
+def test_a_change_made_outside_the_ledger_is_caught(one_thread):
+    """Negative control: an instance forward left behind, and a module-level function left patched."""
+    import transformers.models.qwen3.modeling_qwen3 as modeling
+
+    model = tiny_model("qwen3", VOCAB)
+    before = snapshot(model)
+    model.model.norm.forward = lambda x: x
+    original = modeling.apply_rotary_pos_emb
+    modeling.apply_rotary_pos_emb = lambda *a, **k: None
+    try:
+        found = differences(before, snapshot(model))
+    finally:
+        modeling.apply_rotary_pos_emb = original
+        del model.model.norm.forward
+    assert any("model.norm" in d for d in found)
+    assert any("modeling_qwen3" in d and "apply_rotary_pos_emb" in d for d in found)
+    assert differences(before, snapshot(model)) == []
