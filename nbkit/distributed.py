@@ -1,25 +1,30 @@
 """Every rank's memory for rank 0's dashboard under accelerate (DDP, FSDP2): the one collective nbkit adds.
 
 Why: transformers runs callbacks on every rank, but the dashboard renders only on rank 0, and rank 0 can read only
-its own GPU. Tokens/s needs nothing from nbkit: TRL's ``num_tokens`` (the counter the dashboard reads) is already
-summed over ranks by ``SFTTrainer.compute_loss`` (``gather_for_metrics`` every step), so rank 0's tokens/s is the
-whole job's. Each rank's VRAM does need a gather.
+its own GPU. Tokens/s needs nothing from nbkit: both token counters the dashboard reads are already summed over
+ranks before they reach the logs (TRL's ``num_tokens``: ``SFTTrainer.compute_loss`` adds the
+``gather_for_metrics`` sum of every rank's tokens each step; transformers' ``num_input_tokens_seen``: the
+``accelerator.gather`` sum), so rank 0's tokens/s is the whole job's. Each rank's VRAM does need a gather.
+
+Wiring: ``LiveDashboard.attach(trainer)`` adds a ``RankMemoryCallback`` (on every rank) when
+``trainer.args.world_size > 1``, and rank 0's dashboard shows its ``latest`` rows.
 
 Contract: ``RankMemoryCallback`` does one ``all_gather`` of six int64 per rank at each ``on_log``, on every rank.
 It is a collective: it relies on ``on_log`` firing on all ranks at the same steps, which ``Trainer.log`` does
 (it is called on every process at each logging step, after evaluation, and once at the end of training). In a
-single process there is no collective; ``latest`` is the local reading.
+single process there is no collective; ``latest`` is the local reading. Readings come from ``nbkit.memory``.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
+
+from .memory import device_memory, process_rss
 
 _FIELDS = ("allocated", "reserved", "peak", "total", "host_rss")
 
@@ -39,35 +44,24 @@ class RankMemory:
         return asdict(self)
 
 
-def _host_rss() -> Optional[int]:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
+def _process_group_up() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def local_memory(device: Any = None) -> RankMemory:
-    """This process's reading: CUDA numbers for ``device`` when it is a CUDA device, host RSS always."""
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    dev = torch.device(device) if device is not None else None
-    if dev is None or dev.type != "cuda" or not torch.cuda.is_available():
-        return RankMemory(rank=rank, host_rss=_host_rss())
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    return RankMemory(
-        rank=rank,
-        allocated=int(torch.cuda.memory_allocated(index)),
-        reserved=int(torch.cuda.memory_reserved(index)),
-        peak=int(torch.cuda.max_memory_allocated(index)),
-        total=int(torch.cuda.get_device_properties(index).total_memory),
-        host_rss=_host_rss(),
-    )
+    """This process's reading: CUDA numbers for ``device`` when it is a CUDA device (None: none), host RSS always."""
+    rank = dist.get_rank() if _process_group_up() else 0
+    cuda = device_memory(device) if device is not None else None
+    if cuda is None:
+        return RankMemory(rank=rank, host_rss=process_rss())
+    return RankMemory(rank=rank, allocated=cuda.allocated, reserved=cuda.reserved, peak=cuda.peak,
+                      total=cuda.total, host_rss=process_rss())
 
 
 def gather_rank_memory(device: Any = None) -> list[RankMemory]:
     """Every rank's ``local_memory``, in rank order, on every rank. A collective when a process group is up."""
     mine = local_memory(device)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not _process_group_up() or dist.get_world_size() == 1:
         return [mine]
     # NCCL moves only CUDA tensors; gloo (CPU training, or the CPU half of a "cuda:nccl,cpu:gloo" group) CPU ones
     on_cuda = "nccl" in str(dist.get_backend()) and torch.cuda.is_available()
@@ -82,7 +76,9 @@ def gather_rank_memory(device: Any = None) -> list[RankMemory]:
 
 class RankMemoryCallback(TrainerCallback):
     """Gathers every rank's memory at each log; ``latest`` (a tuple of ``RankMemory``, rank order) is what rank 0's
-    dashboard shows. Add it on every rank (``FastSFT`` would add it when ``args.world_size > 1``)."""
+    dashboard shows. It must be on every rank's trainer (``LiveDashboard.attach`` adds it when
+    ``args.world_size > 1``); put it before the dashboard in the callback list so a log's render shows that log's
+    gather."""
 
     def __init__(self) -> None:
         self.latest: tuple[RankMemory, ...] = ()

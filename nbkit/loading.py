@@ -242,9 +242,11 @@ def load_model(
         kwargs["attn_implementation"] = attn_implementation
     if load_in_4bit:
         try:
+            import importlib
+
             from transformers import BitsAndBytesConfig
 
-            import bitsandbytes  # noqa: F401
+            importlib.import_module("bitsandbytes")
         except ImportError as error:
             raise ImportError("load_in_4bit=True needs bitsandbytes: pip install bitsandbytes") from error
         kwargs["quantization_config"] = BitsAndBytesConfig(

@@ -104,7 +104,7 @@ def snapshot(model: torch.nn.Module) -> dict[str, Any]:
                 own[k] = tuple((key, id(v)) for key, v in hooks.items())
         modules[name] = own
     configs = {}
-    for name, m in model.named_modules():
+    for m in model.modules():
         config = getattr(m, "config", None)
         if config is not None and id(config) not in configs:
             configs[id(config)] = repr(sorted((k, repr(v)) for k, v in vars(config).items()))

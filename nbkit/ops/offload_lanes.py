@@ -126,7 +126,7 @@ class _HostPool:
     round every slot up to a power of two), else with torch's pinned allocator, else left pageable.
     """
 
-    def __init__(self, lane: "_Lane") -> None:
+    def __init__(self, lane: _Lane) -> None:
         self.lane = lane
         self.free: list[torch.Tensor] = []
         self.registered: dict[int, torch.Tensor] = {}  # slots we page-locked: kept alive until unregistered
@@ -223,7 +223,7 @@ class _Packed:
     __slots__ = ("lane", "slot", "nbytes", "dtype", "shape", "prev", "src", "name", "trigger", "unpacked",
                  "__weakref__")
 
-    def __init__(self, lane: "_Lane", slot: torch.Tensor, x: torch.Tensor, prev: Optional["_Packed"],
+    def __init__(self, lane: _Lane, slot: torch.Tensor, x: torch.Tensor, prev: Optional[_Packed],
                  name: str) -> None:
         self.lane = lane
         self.slot = slot

@@ -56,7 +56,7 @@ def _window_args(window: Optional[int]) -> tuple[bool, int, int]:
 class _AtenFlashCore:
     """torch's flash-attention ops (CUDA, fp16/bf16), called the way ``varlen_attn`` calls them."""
 
-    def forward(self, q, k, v, cu, max_len, scale, window):  # noqa: ANN001 - FlashCore
+    def forward(self, q, k, v, cu, max_len, scale, window):
         causal, left, right = _window_args(window)
         out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
             q, k, v, cu, cu, max_len, max_len, 0.0, causal, False, scale=scale,
@@ -70,7 +70,7 @@ class _AtenFlashCore:
             raise RuntimeError(f"unexpected flash log-sum-exp shape {tuple(lse.shape)} for {t} tokens, {h} heads")
         return out, lse_th, (lse, rng, unused)
 
-    def backward(self, grad, q, k, v, out, state, cu, max_len, scale, window):  # noqa: ANN001 - FlashCore
+    def backward(self, grad, q, k, v, out, state, cu, max_len, scale, window):
         lse, rng, unused = state
         causal, left, right = _window_args(window)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
@@ -113,7 +113,7 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
                                 core if core is not None else aten_flash_core)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe(device_index: int) -> Optional[str]:
     device = torch.device("cuda", device_index)
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -130,7 +130,7 @@ def _probe(device_index: int) -> Optional[str]:
         return f"{type(error).__name__}: {error}"[:200]
 
 
-def _compare(q, k, v, sinks, cu, lengths, hq, hkv, d) -> Optional[str]:  # noqa: ANN001 - the probe's tensors
+def _compare(q, k, v, sinks, cu, lengths, hq, hkv, d) -> Optional[str]:
 
     bounds = list(zip((0, lengths[0]), (lengths[0], sum(lengths))))
     for window in (None, 16):

@@ -11,6 +11,7 @@ Pure torch: nothing here imports transformers.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 from dataclasses import dataclass, field
 from typing import Callable
@@ -49,7 +50,7 @@ class PackedRun:
                 torch.arange(lengths.numel(), device=device), lengths.to(device), output_size=total
             )
 
-            def mask_mod(b, h, qi, ki):  # noqa: ANN001 - flex's signature
+            def mask_mod(b, h, qi, ki):
                 ok = (doc[qi] == doc[ki]) & (ki <= qi)
                 if window is not None:
                     ok = ok & (qi - ki < window)
@@ -73,7 +74,7 @@ def _flash_attn_kernel(q, k, v, run: PackedRun, call: AttnCall) -> torch.Tensor:
 _VARLEN_HAS_GQA: bool | None = None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _varlen_takes_gqa() -> bool:
     from torch.nn.attention.varlen import varlen_attn
 
@@ -113,7 +114,7 @@ def _flex_kernel(q, k, v, run: PackedRun, call: AttnCall) -> torch.Tensor:
     if call.softcap is not None:
         cap = call.softcap
 
-        def score_mod(score, b, h, qi, ki):  # noqa: ANN001 - flex's signature
+        def score_mod(score, b, h, qi, ki):
             return torch.tanh(score / cap) * cap
 
     out = run.flex_fn(
@@ -138,7 +139,7 @@ KERNEL_FNS = {
 
 def flash_attn_available() -> bool:
     try:
-        import flash_attn  # noqa: F401
+        importlib.import_module("flash_attn")  # a real import: an install built for another torch fails here
     except Exception:
         return False
     return True
@@ -148,7 +149,7 @@ def varlen_available() -> bool:
     if not torch.cuda.is_available():
         return False
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        importlib.import_module("torch.nn.attention.varlen")
     except Exception:
         return False
     return torch.cuda.get_device_capability() >= (8, 0)  # the flash kernel behind it needs sm80+

@@ -34,8 +34,6 @@ be pinned (WSL caps it); the input stays on the GPU when host memory runs out.
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 import collections
 import functools
 import logging
@@ -94,7 +92,7 @@ def _arm_after_ffn(lane: _Lane, site: list, module: torch.nn.Module, args: tuple
 class _InstalledCheckpoint:
     """What nbkit puts in a layer's ``_gradient_checkpointing_func``: the user's checkpoint, offloaded when on."""
 
-    def __init__(self, owner: "OffloadedCheckpointing", module: torch.nn.Module, name: str, previous: Callable,
+    def __init__(self, owner: OffloadedCheckpointing, module: torch.nn.Module, name: str, previous: Callable,
                  ckpt_kwargs: dict) -> None:
         self.owner, self.previous, self.ckpt_kwargs = owner, previous, ckpt_kwargs
         self.name = name
