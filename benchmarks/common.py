@@ -1,4 +1,4 @@
-"""What the trainer-level benchmarks share: synthetic packed data, step timing with CUDA events, result tables.
+"""What the benchmarks share: synthetic packed data, step timing with CUDA events, result tables, the results file.
 
 Timing contract: a step is timed from ``on_step_begin`` to ``on_step_end`` with CUDA events (forward, backward and
 optimizer included); forward and backward are split by events around ``compute_loss``. The first ``warmup`` steps
@@ -9,18 +9,27 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import random
+import shlex
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
+from nbkit.memory import GiB, fmt_bytes, peak_bytes
 
-def packed_token_dataset(n_docs: int, vocab_size: int, mean_len: int = 400, spread: int = 100, seed: int = 0) -> Dataset:
+
+def packed_token_dataset(n_docs: int, vocab_size: int, mean_len: int = 400, spread: int = 100,
+                         seed: int = 0) -> Dataset:
     """Pre-tokenized documents of about ``mean_len`` tokens (TRL packs them; it skips tokenization for input_ids)."""
     rng = random.Random(seed)
     rows = []
@@ -42,16 +51,19 @@ class _HostEvent:
     def synchronize(self) -> None:
         pass
 
-    def elapsed_time(self, end: "_HostEvent") -> float:
+    def elapsed_time(self, end: _HostEvent) -> float:
         return (end.t - self.t) * 1000.0
 
 
 def event() -> Any:
+    """A timing event: a CUDA event on a GPU, a host clock off it."""
     return torch.cuda.Event(enable_timing=True) if torch.cuda.is_available() else _HostEvent()
 
 
 def peak_memory() -> int:
-    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    """The current device's peak bytes as nbkit.memory reads them: allocated on CUDA (since the benchmark's last
+    ``torch.cuda.reset_peak_memory_stats``), this process's peak resident set on a CPU."""
+    return peak_bytes(None)
 
 
 @dataclass
@@ -73,14 +85,14 @@ class StepTimer(TrainerCallback):
         self._begin = None
         self._t0 = None
 
-    def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001
+    def on_train_begin(self, args, state, control, **kwargs):
         self._t0 = time.perf_counter()
 
-    def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001
+    def on_step_begin(self, args, state, control, **kwargs):
         self._begin = event()
         self._begin.record()
 
-    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
+    def on_step_end(self, args, state, control, **kwargs):
         end = event()
         end.record()
         end.synchronize()
@@ -88,7 +100,7 @@ class StepTimer(TrainerCallback):
             self.times.first_step_s = time.perf_counter() - self._t0
         self.times.step_ms.append(self._begin.elapsed_time(end))
 
-    def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001
+    def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.times.losses.append(float(logs["loss"]))
 
@@ -98,7 +110,7 @@ class TimedStepMixin:
 
     step_timer: StepTimer
 
-    def training_step(self, model, inputs, *args, **kwargs):  # noqa: ANN001
+    def training_step(self, model, inputs, *args, **kwargs):
         start = event()
         self._nbkit_fwd_end = event()
         end = event()
@@ -113,7 +125,7 @@ class TimedStepMixin:
         self.step_timer.times.bwd_ms.append(self._nbkit_fwd_end.elapsed_time(end))
         return out
 
-    def compute_loss(self, *args, **kwargs):  # noqa: ANN001
+    def compute_loss(self, *args, **kwargs):
         out = super().compute_loss(*args, **kwargs)
         self._nbkit_fwd_end.record()
         return out
@@ -141,14 +153,17 @@ def failed_row(path: str, exc: BaseException, **extra: Any) -> dict:
     return {"path": path, **extra, "error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
-def summarize(name: str, times: StepTimes, warmup: int, peak_bytes: int, extra: dict[str, Any] | None = None) -> dict:
+def summarize(name: str, times: StepTimes, warmup: int, peak: int, extra: dict[str, Any] | None = None) -> dict:
     """Median over the timed steps whose row is full (>= 90% of the largest): BFD packing leaves a few short rows,
     and attention cost is not linear in tokens, so a short row would flatter a quadratic path."""
     idx = list(range(warmup, len(times.step_ms))) or list(range(len(times.step_ms)))
     if times.tokens:
         full = max(times.tokens[i] for i in idx) * 0.9
         idx = [i for i in idx if times.tokens[i] >= full] or idx
-    pick = lambda xs: [xs[i] for i in idx if i < len(xs)]  # noqa: E731
+
+    def pick(xs: list) -> list:
+        return [xs[i] for i in idx if i < len(xs)]
+
     steps, fwd, bwd, toks = pick(times.step_ms), pick(times.fwd_ms), pick(times.bwd_ms), pick(times.tokens)
     step = statistics.median(steps)
     row = {
@@ -161,7 +176,7 @@ def summarize(name: str, times: StepTimes, warmup: int, peak_bytes: int, extra: 
         "host_ms": statistics.median(pick(times.host_ms)) if pick(times.host_ms) else float("nan"),
         "tokens_per_step": statistics.median(toks) if toks else 0,
         "tok_per_s": (sum(toks) / sum(steps) * 1000) if toks else 0.0,
-        "peak_gib": peak_bytes / 2**30,
+        "peak_gib": peak / GiB,
         "loss_first": times.losses[0] if times.losses else float("nan"),
         "loss_mean": statistics.fmean(times.losses) if times.losses else float("nan"),
         "losses": times.losses,
@@ -175,8 +190,10 @@ def summarize(name: str, times: StepTimes, warmup: int, peak_bytes: int, extra: 
 
 
 def markdown_table(rows: list[dict], baseline: str | None = None) -> str:
+    """One line per path; "speedup" is the ``baseline`` path's step time over this one's."""
     base = next((r for r in rows if r["path"] == baseline), None)
-    head = "| path | step ms (min-max) | fwd ms | bwd ms | tok/s | speedup | peak GiB | loss (first, mean) | first step s |"
+    head = ("| path | step ms (min-max) | fwd ms | bwd ms | tok/s | speedup | peak GiB | loss (first, mean) | "
+            "first step s |")
     lines = [head, "|" + "---|" * 9]
     for r in rows:
         if r.get("error"):
@@ -184,30 +201,84 @@ def markdown_table(rows: list[dict], baseline: str | None = None) -> str:
             continue
         ratio = f"{base['step_ms'] / r['step_ms']:.2f}x" if base and not base.get("error") else "-"
         lines.append(
-            f"| {r['path']} | {r['step_ms']:,.0f} ({r['step_ms_min']:,.0f}-{r['step_ms_max']:,.0f}) | {r['fwd_ms']:,.0f} | {r['bwd_ms']:,.0f} | {r['tok_per_s']:,.0f} | "
+            f"| {r['path']} | {r['step_ms']:,.0f} ({r['step_ms_min']:,.0f}-{r['step_ms_max']:,.0f}) | "
+            f"{r['fwd_ms']:,.0f} | {r['bwd_ms']:,.0f} | {r['tok_per_s']:,.0f} | "
             f"{ratio} | {r['peak_gib']:.1f} | {r['loss_first']:.4f}, {r['loss_mean']:.4f} | "
             f"{(r['first_step_s'] or 0):.1f} |"
         )
     return "\n".join(lines)
 
 
-def environment() -> dict[str, str]:
-    import transformers
+# ------------------------------------------------------------------------------------------------- the results file
+# The packages a result depends on, by distribution name (read from their metadata, so none is imported here).
+PACKAGES = {"transformers": "transformers", "trl": "trl", "peft": "peft", "accelerate": "accelerate",
+            "datasets": "datasets", "bitsandbytes": "bitsandbytes", "liger_kernel": "liger-kernel",
+            "triton": "triton", "flash_attn": "flash-attn"}
 
-    env = {"torch": torch.__version__, "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d")}
-    for mod in ("trl", "peft", "bitsandbytes", "flash_attn"):
-        try:
-            env[mod] = __import__(mod).__version__
-        except Exception:
-            env[mod] = "absent"
+
+def environment() -> dict[str, str]:
+    """The machine and the versions a figure depends on; "absent" for a package that is not installed."""
+    from importlib import metadata
+
     if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-        env["cuda"] = str(torch.version.cuda)
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        machine = f"{props.name} ({fmt_bytes(props.total_memory)}), {os.cpu_count()} CPU cores"
+    else:
+        machine = f"CPU only ({platform.machine()}), {os.cpu_count()} CPU cores"
+    env = {"machine": machine, "python": platform.python_version(), "torch": torch.__version__,
+           "cuda": str(torch.version.cuda) if torch.version.cuda else "none"}
+    for key, dist in PACKAGES.items():
+        try:
+            env[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            env[key] = "absent"
     return env
 
 
-def write_results(name: str, payload: dict) -> None:
+def git_commit() -> str:
+    """The commit the benchmarks run from: $NBKIT_GIT_COMMIT when set (a copy of the tree without its .git), else
+    ``git rev-parse HEAD`` with "-dirty" when tracked files differ from it; "unknown" when neither is there."""
+    if os.environ.get("NBKIT_GIT_COMMIT"):
+        return os.environ["NBKIT_GIT_COMMIT"]
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def write_results(benchmark: str, figures: Sequence[dict] | Mapping[str, Any], notes: str = "", *,
+                  argv: Sequence[str] | None = None, name: str | None = None) -> dict:
+    """The one results writer: every benchmark's JSON has the same top-level shape (``benchmarks/README.md``)::
+
+        {"benchmark", "date", "command", "git_commit", "environment", "figures", "notes"}
+
+    ``benchmark`` is the module under ``benchmarks/`` (``command`` is ``python -m benchmarks.<benchmark>`` and
+    ``argv``, default ``sys.argv[1:]``); ``figures`` the measured rows, one dict per path / config / try. A mapping
+    with ``"rows"`` is taken as rows plus run-level values, which are copied into every row (its "env", "args" and
+    rendered "table" are dropped: the environment and the command line are recorded here, a table is derived).
+    Writes ``$OUT/<name or benchmark>.json`` when $OUT is set; returns the payload either way.
+    """
+    if isinstance(figures, Mapping):
+        run_level = {k: v for k, v in figures.items() if k not in ("rows", "env", "args", "table")}
+        figures = [{**run_level, **row} for row in figures["rows"]]
+    argv = sys.argv[1:] if argv is None else argv
+    payload = {
+        "benchmark": benchmark,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "command": " ".join(["python", "-m", f"benchmarks.{benchmark}", *map(shlex.quote, argv)]),
+        "git_commit": git_commit(),
+        "environment": environment(),
+        "figures": list(figures),
+        "notes": notes,
+    }
     out = os.environ.get("OUT")
     if out:
-        with open(os.path.join(out, f"{name}.json"), "w") as f:
+        with open(os.path.join(out, f"{name or benchmark}.json"), "w") as f:
             json.dump(payload, f, indent=1, default=str)
+    return payload

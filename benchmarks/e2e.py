@@ -29,6 +29,7 @@ import contextlib
 import gc
 import os
 import re
+import sys
 import tempfile
 import time
 from typing import Any
@@ -37,8 +38,17 @@ import torch
 
 from nbkit.demo.tokenizer import load_demo_tokenizer
 
+from .common import (
+    StepTimer,
+    failed_row,
+    markdown_table,
+    packed_token_dataset,
+    peak_memory,
+    summarize,
+    timed_trainer,
+    write_results,
+)
 from .profiling import Profiled, module_ranges, profile_tables
-from .common import StepTimer, environment, failed_row, timed_trainer, markdown_table, packed_token_dataset, peak_memory, summarize, write_results
 
 SHAPES = {
     "1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
@@ -119,7 +129,9 @@ def parse_path(spec: str) -> tuple[str, dict[str, Any]]:
     return m.group(1), overrides
 
 
-def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Namespace, profile: bool) -> tuple[dict, torch.nn.Module, str]:
+def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Namespace,
+             profile: bool) -> tuple[dict, torch.nn.Module, str]:
+    """One path's timed run on ``base`` (its own LoRA, unloaded afterwards): its row, the base back, its profile."""
     from peft import LoraConfig
     from trl import SFTConfig
 
@@ -173,7 +185,9 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
     return row, base, text
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Every path at every ``--tokens`` on one loaded base model; writes and returns the rows."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="1.7b", choices=["1.7b", "14b"])
     parser.add_argument("--layers", type=int, default=None, help="shrink the model (default: all layers)")
@@ -192,37 +206,34 @@ def main(argv: list[str] | None = None) -> None:
     folder = tempfile.mkdtemp(prefix=f"nbkit-e2e-{shape}-")
     save_s = save_random_model(shape, args.layers, folder, args.tiny)
     base, load_s = load_base(folder, quantize)
-    print(f"model {shape}: saved in {save_s:.1f} s, loaded ({'nf4' if quantize else 'bf16'}) in {load_s:.1f} s",
-          flush=True)
+    weights = "nf4" if quantize else "bf16" if torch.cuda.is_available() else "fp32"
+    print(f"model {shape}: saved in {save_s:.1f} s, loaded ({weights}) in {load_s:.1f} s", flush=True)
     paths = [p for p in re.split(r",(?![^\[]*\])", args.paths) if p]
     if args.profile and args.profile not in paths:
         paths.append(args.profile)
-    env = environment()
-    results: dict[str, Any] = {"env": env, "args": vars(args), "load_s": load_s, "runs": {}}
-    for tokens_s in args.tokens.split(","):
-        args.tokens = int(tokens_s)
+    rows: list[dict] = []
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        args.tokens = tokens
         mean_len = 40 if args.tiny else 400
-        n_docs = 2 * (args.warmup + args.steps + 2) * args.tokens // mean_len
+        n_docs = 2 * (args.warmup + args.steps + 2) * tokens // mean_len
         dataset = packed_token_dataset(n_docs, SHAPES[shape]["vocab_size"], mean_len=mean_len, spread=mean_len // 4)
-        rows = []
+        run_rows = []
         for spec in paths:
             try:
                 row, base, text = run_path(spec, base, dataset, args, profile=spec == args.profile)
-                rows.append(row)
                 if text:
-                    print(f"\n### profile of {spec} ({shape}, {args.tokens} tokens)\n\n{text}\n", flush=True)
-                    results.setdefault("profiles", {})[f"{spec}@{args.tokens}"] = text
+                    print(f"\n### profile of {spec} ({shape}, {tokens} tokens)\n\n{text}\n", flush=True)
+                    row["profile"] = text
             except Exception as exc:
-                rows.append(failed_row(spec, exc))
-            print({k: v for k, v in rows[-1].items() if not isinstance(v, list)}, flush=True)
-        base_name = "sft" if "sft" in paths else None
-        table = markdown_table(rows, baseline=base_name)
-        results["runs"][str(args.tokens)] = {"rows": rows, "table": table}
-        print(f"\n{shape}, {args.tokens} tokens/step, {'QLoRA nf4' if quantize else 'bf16 LoRA'}\n{table}\n",
+                row = failed_row(spec, exc)
+            run_rows.append(dict(row, shape=shape, tokens=tokens, weights=weights, load_s=load_s))
+            print({k: v for k, v in run_rows[-1].items() if not isinstance(v, list) and k != "profile"}, flush=True)
+        rows += run_rows
+        table = markdown_table(run_rows, baseline="sft" if "sft" in paths else None)
+        print(f"\n{shape}, {tokens} tokens/step, {'QLoRA nf4' if quantize else 'LoRA ' + weights}\n{table}\n",
               flush=True)
-    write_results(f"bench_e2e_{shape}", results)
-    print(env)
-
+    write_results("e2e", rows, argv=argv, name=f"e2e_{shape}", notes="CPU smoke run (--tiny)" if args.tiny else "")
+    return rows
 
 if __name__ == "__main__":
     main()

@@ -37,20 +37,11 @@ Prediction (written before the first run; H200: 779 TFLOP/s bf16 matmul, ~4 TB/s
   2-layer gpt-oss step, full fine-tune: attention (eager, 1,024-token rows) ~10 ms/layer, lm_head 9 TFLOP ~13 ms,
   AdamW over 1.9 B bf16 parameters ~7 ms: plain ~125 ms, nbkit ~105-110 ms. LoRA: PEFT ~120 ms, nbkit ~80-85 ms.
 
-Fused LoRA (``lora="auto"``; prediction written before its first run, from the unfused rows measured on the H200:
-gpt-oss LoRA 16.8 ms, Qwen3 9.5 ms). The unfused LoRA adds per step 12 skinny grouped_mm (N or K = 16; torch's
-CUTLASS "small" 64x128x128 tiles, each memory-bound over a routed activation) and 6 full-size adds/sums: ~14 u
-forward + ~16 u backward (u = one (S, hidden) bf16 tensor, 377 MB for gpt-oss) ~ 3.3 ms. Fused, what is left is
-x A^T inside the dispatch (0 extra), u B^T and h A^T inside the gate (0 extra), y += u B^T in place (2 u),
-du = gy B (1 u), du A inside the gate backward (0), dx += du A in place (2 u), four factor weight gradients
-(5 u): ~10 u ~ 1.1 ms, so gpt-oss ~14-15 ms (2.5-2.7x PEFT), Qwen3 ~7-8 ms (2.7-3.1x). 3x on gpt-oss would need
-~12.7 ms: its four base GEMMs alone (6.5 TFLOP) take ~11 ms at the ~575-600 TFLOP/s that torch's grouped_mm
-reaches here (inferred from the full fine-tune row), leaving < 2 ms for dispatch, gate, combine, their backward
-and the LoRA terms (>= ~17 u of traffic even fully fused): out of reach without a faster grouped GEMM.
-The fused gate kernels hold 64x64 tiles at ~245 registers (8 warps, one program per SM): if they stream below
-~3 TB/s, ``--profile`` shows it (kernels ``_lk_act_fwd``/``_lk_act_bwd``), and ``nbkit.speedups.moe._LORA_TILES`` retiles.
+A fused LoRA-on-experts variant (the low-rank products folded into the dispatch, gate and down projection by
+Triton kernels) was measured here and removed: gpt-oss 22.6 ms against 16.5 ms for the separate products (slower),
+Qwen3 9.16 against 9.30 ms (level).
 
-    python -m benchmarks.moe [--tokens 16384] [--steps 7] [--skip-model] [--profile] [--lora-tiles SPEC] [--tiny]
+    python -m benchmarks.moe [--tokens 16384] [--steps 7] [--skip-model] [--profile] [--tiny]
 """
 
 from __future__ import annotations
@@ -65,7 +56,6 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from nbkit.speedups import moe
 from nbkit.speedups.moe import FastMoERouting
 
 from .common import environment, event, peak_memory, write_results
@@ -80,13 +70,13 @@ PREDICTED = {
     ("gpt-oss-20b layer", "nbkit loop"): 22.0, ("gpt-oss-20b layer", "nbkit"): 31.0,
     ("gpt-oss-20b layer", "nbkit (torch kernels)"): 36.0,
     ("gpt-oss-20b layer", "LoRA: PEFT on eager"): 107.0, ("gpt-oss-20b layer", "LoRA: PEFT on grouped_mm"): 44.0,
-    ("gpt-oss-20b layer", "LoRA: nbkit (unfused LoRA)"): 16.8, ("gpt-oss-20b layer", "LoRA: nbkit"): 14.5,
+    ("gpt-oss-20b layer", "LoRA: nbkit"): 16.8,
     ("gpt-oss-20b layer", "LoRA: nbkit loop"): 18.0,
     ("Qwen3-30B-A3B layer", "transformers eager"): 180.0, ("Qwen3-30B-A3B layer", "transformers grouped_mm"): 15.0,
     ("Qwen3-30B-A3B layer", "nbkit loop"): 28.0, ("Qwen3-30B-A3B layer", "nbkit"): 11.5,
     ("Qwen3-30B-A3B layer", "nbkit (torch kernels)"): 13.0,
     ("Qwen3-30B-A3B layer", "LoRA: PEFT on eager"): 185.0, ("Qwen3-30B-A3B layer", "LoRA: PEFT on grouped_mm"): 17.0,
-    ("Qwen3-30B-A3B layer", "LoRA: nbkit (unfused LoRA)"): 9.5, ("Qwen3-30B-A3B layer", "LoRA: nbkit"): 7.5,
+    ("Qwen3-30B-A3B layer", "LoRA: nbkit"): 9.5,
     ("Qwen3-30B-A3B layer", "LoRA: nbkit loop"): 62.0,
     ("2-layer gpt-oss step", "full FT: plain"): 125.0, ("2-layer gpt-oss step", "full FT: nbkit"): 108.0,
     ("2-layer gpt-oss step", "LoRA: PEFT"): 120.0, ("2-layer gpt-oss step", "LoRA: PEFT + nbkit"): 83.0,
@@ -161,7 +151,7 @@ def _lora_holder(experts: nn.Module, r: int = 16) -> nn.Module:
     return holder
 
 
-PROFILED = ("LoRA: PEFT on grouped_mm", "LoRA: nbkit (unfused LoRA)", "LoRA: nbkit")
+PROFILED = ("LoRA: PEFT on grouped_mm", "LoRA: nbkit")
 
 
 def _profile(step: Callable[[], None], name: str) -> str:
@@ -183,23 +173,8 @@ def _profile(step: Callable[[], None], name: str) -> str:
     return table
 
 
-def parse_tiles(spec: str) -> list[dict]:
-    """``"act_fwd=64x32x8,act_bwd=32x64x8;expand=64x128x8"`` -> one dict of ``nbkit.speedups.moe._LORA_TILES`` overrides
-    (rows x columns x warps per kernel) per ``;``-separated set."""
-    sets = []
-    for part in filter(None, (p.strip() for p in spec.split(";"))):
-        tiles = {}
-        for item in part.split(","):
-            name, _, dims = item.partition("=")
-            if name.strip() not in moe._LORA_TILES:
-                raise SystemExit(f"--lora-tiles: unknown kernel {name!r}: {', '.join(moe._LORA_TILES)}")
-            tiles[name.strip()] = tuple(int(v) for v in dims.lower().split("x"))
-        sets.append(tiles)
-    return sets
-
-
 def bench_layer(shape: dict, tokens: int, steps: int, device: str, dtype: torch.dtype, rows: list,
-                profile: bool = False, lora_tiles: Optional[list[dict]] = None) -> None:
+                profile: bool = False) -> None:
     T, H, E, K = tokens, shape["hidden"], shape["experts"], shape["top_k"]
     experts = _experts(shape, device, dtype)
     torch.manual_seed(1)
@@ -211,17 +186,7 @@ def bench_layer(shape: dict, tokens: int, steps: int, device: str, dtype: torch.
     holders = {"full": _Holder(experts)}
     refs: dict = {}
 
-    def run_variant(label: str, kind: str, impl: Optional[str], nbkit: Optional[dict],
-                    tiles: Optional[dict] = None) -> None:
-        saved_tiles = dict(moe._LORA_TILES)
-        moe._LORA_TILES.update(tiles or {})  # this variant's tiling of the fused LoRA kernels; restored below
-        try:
-            _run_variant(label, kind, impl, nbkit)
-        finally:
-            moe._LORA_TILES.clear()
-            moe._LORA_TILES.update(saved_tiles)
-
-    def _run_variant(label: str, kind: str, impl: Optional[str], nbkit: Optional[dict]) -> None:
+    def run_variant(label: str, kind: str, impl: Optional[str], nbkit: Optional[dict]) -> None:
         holder = holders[kind]
         base = holder.experts.get_base_layer() if kind == "lora" else holder.experts
         fm = FastMoERouting(**nbkit) if nbkit is not None else None
@@ -239,9 +204,7 @@ def bench_layer(shape: dict, tokens: int, steps: int, device: str, dtype: torch.
             if fm is not None:
                 assert fm.attach(holder), "nbkit did not attach"
                 plan = base._nbkit_moe_plan
-                row["plan"] = f"{plan.backend}/{'triton' if plan.kern else 'torch'}"
-                if kind == "lora":
-                    row["plan"] += "/fused LoRA" if plan.lora_kern is not None else "/unfused LoRA"
+                row["plan"] = f"{plan.backend}/{'triton' if plan.triton else 'torch'}"
             else:
                 base.config._experts_implementation = impl
             _free()
@@ -279,11 +242,7 @@ def bench_layer(shape: dict, tokens: int, steps: int, device: str, dtype: torch.
     holders["lora"] = _lora_holder(experts)
     run_variant("LoRA: PEFT on eager", "lora", "eager", None)
     run_variant("LoRA: PEFT on grouped_mm", "lora", "grouped_mm", None)
-    run_variant("LoRA: nbkit (unfused LoRA)", "lora", None, dict(lora="unfused"))
     run_variant("LoRA: nbkit", "lora", None, {})
-    for tiles in lora_tiles or []:
-        spec = ",".join(f"{k}={'x'.join(map(str, v))}" for k, v in tiles.items())
-        run_variant(f"LoRA: nbkit [{spec}]", "lora", None, {}, tiles)
     run_variant("LoRA: nbkit loop", "lora", None, dict(backend="loop"))
 
 
@@ -387,8 +346,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
-    ap.add_argument("--lora-tiles", default="", help="extra 'LoRA: nbkit' rows with other tilings of the fused "
-                    "LoRA kernels, e.g. 'act_fwd=64x32x8,act_bwd=32x64x8;expand=64x128x8' (rows x cols x warps)")
     ap.add_argument("--profile", action="store_true",
                     help=f"print (and write to $OUT) a kernel profile of one step of: {', '.join(PROFILED)}")
     args = ap.parse_args(argv)
@@ -397,7 +354,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     tokens = 256 if tiny else args.tokens
     rows: list[dict] = []
     for shape in (TINY_SHAPES if tiny else [GPT_OSS, QWEN3]):
-        bench_layer(shape, tokens, args.steps, device, dtype, rows, args.profile, parse_tiles(args.lora_tiles))
+        bench_layer(shape, tokens, args.steps, device, dtype, rows, args.profile)
         _free()
     if not args.skip_model:
         seq = 64 if tiny else 1024

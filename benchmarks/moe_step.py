@@ -30,8 +30,9 @@ Prediction (written before the first run; H200, 4 layers, 16,384 tokens per step
   sinks concat, max, softmax, slice, PV) ~ 8 ms forward, ~32 ms with recompute and backward: x 16 ~ 500 ms, the
   largest term. FastSFT's per-document attention (~10 documents per row, fp32 scores for the sinks, ~20 launches
   each) ~ 10 ms per layer and row: ~160 ms. MoE per layer per step: transformers grouped_mm fwd+bwd 38 ms + 13 ms
-  recompute ~ 51 ms (x4: ~205 ms); nbkit full FT ~25 ms, LoRA (fused) ~20 ms. lm_head 19 TFLOP per pass (full FT
-  3 passes ~90 ms, LoRA 2 ~60 ms) + the fp32 loss over 201K logits ~40 ms. AdamW (full FT, 4.4 B params) ~20 ms.
+  recompute ~ 51 ms (x4: ~205 ms); nbkit full FT ~25 ms, LoRA ~20 ms (with fused LoRA kernels, since removed).
+  lm_head 19 TFLOP per pass (full FT 3 passes ~90 ms, LoRA 2 ~60 ms) + the fp32 loss over 201K logits ~40 ms. AdamW
+  (full FT, 4.4 B params) ~20 ms.
   full FT:  SFTTrainer ~880 ms, FastSFT ~430 ms (~2.0x), FastSFT without routing ~540 ms.
   LoRA:     SFTTrainer ~810 ms, FastSFT ~350 ms (~2.3x), FastSFT without routing ~470 ms.
   Losses (bfd): FastSFT vs SFTTrainer differ (cross-document attention in the plain path, see above) by ~1e-3
@@ -53,18 +54,18 @@ from typing import Any, Optional
 
 import torch
 
-from .profiling import Profiled, module_ranges, profile_tables
 from .common import (
     StepTimer,
-    failed_row,
-    timed_trainer,
     environment,
+    failed_row,
     markdown_table,
     packed_token_dataset,
     peak_memory,
     summarize,
+    timed_trainer,
     write_results,
 )
+from .profiling import Profiled, module_ranges, profile_tables
 
 # gpt-oss-20b (config.json of openai/gpt-oss-20b) where it differs from GptOssConfig's defaults
 GPT_OSS_20B = dict(num_local_experts=32, num_experts_per_tok=4, router_aux_loss_coef=0.9)
@@ -106,11 +107,11 @@ class _StepTotals(StepTimer):
     """StepTimer whose tokens / forward / backward entries are per optimizer step: the ``TimedStepMixin`` entries of
     the step's gradient-accumulation micro-batches are summed at ``on_step_end``."""
 
-    def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001
+    def on_step_begin(self, args, state, control, **kwargs):
         self._mark = len(self.times.tokens)
         super().on_step_begin(args, state, control, **kwargs)
 
-    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
+    def on_step_end(self, args, state, control, **kwargs):
         super().on_step_end(args, state, control, **kwargs)
         for name in ("tokens", "fwd_ms", "bwd_ms", "host_ms"):
             values = getattr(self.times, name)

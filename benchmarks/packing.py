@@ -5,9 +5,9 @@ of 16,384 tokens per step from documents of about 400 tokens, gradient checkpoin
 
 Prediction (written before the first run). Matmuls: 6 x 1.72e9 x 16,384 x (1 + 1/3 recompute) ~ 2.3e14 FLOP, about
 0.29 s at 779 TFLOP/s; the LoRA side-products, norms and the loss over 152K vocab add ~0.3-0.4 s of memory-bound
-work. Attention: per layer forward 0.34 ms varlen vs 7.5 ms dense-mask SDPA (FACTS.md); x 28 layers x (fwd +
-recompute + ~2.5x bwd) is ~0.04 s for varlen against ~0.9 s for the dense mask. So plain sdpa ~1.8 s, FastSFT
-~0.95-1.0 s (~1.85x), the per-document SDPA path (T4 path, forced) ~1.2 s: between the two.
+work. Attention: per layer forward 0.34 ms varlen vs 7.5 ms dense-mask SDPA (BENCHMARKS.md, "The machine"); x 28
+layers x (fwd + recompute + ~2.5x bwd) is ~0.04 s for varlen against ~0.9 s for the dense mask. So plain sdpa ~1.8 s,
+FastSFT ~0.95-1.0 s (~1.85x), the per-document SDPA path (T4 path, forced) ~1.2 s: between the two.
 
     python -m benchmarks.packing [--tokens 16384] [--steps 6] [--warmup 2] [--paths sdpa,flex,nbkit,nbkit_sdpa_loop]
 """
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
+from typing import Any
 
 import torch
 
@@ -24,12 +26,11 @@ from nbkit.demo.tokenizer import load_demo_tokenizer
 from .common import (
     StepTimer,
     failed_row,
-    timed_trainer,
-    environment,
     markdown_table,
     packed_token_dataset,
     peak_memory,
     summarize,
+    timed_trainer,
     write_results,
 )
 
@@ -45,7 +46,7 @@ TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_l
             num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
 
 
-def build_model(attn: str, layers: int | None, tiny: bool = False, seed: int = 0):
+def build_model(attn: str, layers: int | None, tiny: bool = False, seed: int = 0) -> torch.nn.Module:
     """Random weights, built directly on the GPU in bf16 (CPU fp32 for --tiny smoke runs)."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -60,7 +61,8 @@ def build_model(attn: str, layers: int | None, tiny: bool = False, seed: int = 0
     return model
 
 
-def run_path(path: str, dataset, args) -> dict:
+def run_path(path: str, dataset: Any, args: argparse.Namespace) -> dict:
+    """One path's timed run on a freshly built model: its summary row."""
     from peft import LoraConfig
     from trl import SFTConfig
 
@@ -70,8 +72,9 @@ def run_path(path: str, dataset, args) -> dict:
     model = build_model(attn, args.layers, args.tiny)
     common = dict(
         output_dir=f"/tmp/nbkit-bench-{path}", max_steps=args.warmup + args.steps, per_device_train_batch_size=1,
-        packing=True, max_length=args.tokens, bf16=not args.tiny, use_cpu=args.tiny, gradient_checkpointing=True, learning_rate=1e-4,
-        logging_steps=1, report_to=[], save_strategy="no", dataloader_num_workers=0, seed=0, disable_tqdm=True,
+        packing=True, max_length=args.tokens, bf16=not args.tiny, use_cpu=args.tiny, gradient_checkpointing=True,
+        learning_rate=1e-4, logging_steps=1, report_to=[], save_strategy="no", dataloader_num_workers=0, seed=0,
+        disable_tqdm=True,
     )
     peft_config = LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, lora_dropout=0.0)
     timer = StepTimer()
@@ -99,7 +102,9 @@ def run_path(path: str, dataset, args) -> dict:
     return summarize(path, timer.times, args.warmup, peak, extra)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Every path on the same data, one model build each; writes and returns the rows."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=6)
@@ -117,15 +122,13 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for path in args.paths.split(","):
         try:
-            rows.append(run_path(path, dataset, args))
+            rows.append(dict(run_path(path, dataset, args), tokens=args.tokens))
         except Exception as exc:
-            rows.append(failed_row(path, exc))
+            rows.append(dict(failed_row(path, exc), tokens=args.tokens))
         print(rows[-1], flush=True)
-    env = environment()
-    write_results("bench_packing", {"env": env, "args": vars(args), "rows": rows})
-    print(env)
+    write_results("packing", rows, argv=argv, notes="CPU smoke run (--tiny)" if args.tiny else "")
     print(markdown_table(rows, baseline="sdpa"))
-
+    return rows
 
 if __name__ == "__main__":
     main()

@@ -21,7 +21,7 @@ class Profiled:
         outer = self
 
         class _CB(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
+            def on_step_begin(self, args, state, control, **kw):
                 if state.global_step == outer.start and outer.prof is None:
                     acts = [torch.profiler.ProfilerActivity.CPU]
                     if torch.cuda.is_available():
@@ -29,7 +29,7 @@ class Profiled:
                     outer.prof = torch.profiler.profile(activities=acts, record_shapes=False)
                     outer.prof.__enter__()
 
-            def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+            def on_step_end(self, args, state, control, **kw):
                 if outer.prof is not None and state.global_step == outer.start + outer.count:
                     if torch.cuda.is_available():
                         torch.cuda.synchronize()
@@ -51,12 +51,12 @@ def module_ranges(model: torch.nn.Module):
         if attr in wanted or attr.endswith("_proj") and "lora" not in name and name.count("base_layer") == 0:
             label = f"fwd:{attr}"
 
-            def pre(m, a, label=label):  # noqa: ANN001
+            def pre(m, a, label=label):
                 r = record_function(label)
                 r.__enter__()
                 stack.append(r)
 
-            def post(m, a, o):  # noqa: ANN001
+            def post(m, a, o):
                 if stack:
                     stack.pop().__exit__(None, None, None)
 
@@ -88,7 +88,8 @@ def profile_tables(prof: Any, steps: int) -> str:
     kernels: dict[str, float] = defaultdict(float)
     total = 0.0
     for e in prof.events():
-        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA or e.name.startswith(("fwd:", "autograd::")):
+        on_gpu = getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+        if not on_gpu or e.name.startswith(("fwd:", "autograd::")):
             continue  # the module ranges are annotations, not kernels
         t = e.device_time / 1000.0 / steps  # us -> ms per step
         total += t
@@ -104,13 +105,13 @@ def profile_tables(prof: Any, steps: int) -> str:
     lines += ["", "| top kernels | ms/step |", "|---|---|"]
     lines += [f"| `{k}` | {t:,.2f} |" for k, t in sorted(kernels.items(), key=lambda x: -x[1])[:25]]
     ops = prof.key_averages()
-    dev = lambda e: getattr(e, "self_device_time_total", 0.0)  # noqa: E731
+    dev = lambda e: getattr(e, "self_device_time_total", 0.0)
     lines += ["", "| top operators (self GPU time) | ms/step | calls/step |", "|---|---|---|"]
     for e in sorted(ops, key=lambda e: -dev(e))[:25]:
         if dev(e) <= 0:
             break
         lines.append(f"| `{e.key[:80]}` | {dev(e) / 1000 / steps:,.2f} | {e.count / steps:,.0f} |")
-    tot = lambda e: getattr(e, "device_time_total", 0.0)  # noqa: E731
+    tot = lambda e: getattr(e, "device_time_total", 0.0)
     lines += ["", "| module forward ranges (incl. recompute) and backward nodes | GPU ms/step | calls/step |",
               "|---|---|---|"]
     rows = [e for e in ops if e.key.startswith("fwd:") or e.key.startswith("autograd::engine::evaluate_function")]

@@ -1,21 +1,46 @@
 """``FastSFTConfig``: TRL's ``SFTConfig`` plus one switch per nbkit speedup.
 
-Every switch only changes speed or memory, never the numbers: a switch turned off gives plain TRL's code path.
+Every switch only changes speed or memory, never the numbers: a switch turned off gives plain TRL's code path. The
+values each switch accepts and the hardware defaults are rules of ``nbkit.settings``, applied here when the config
+is built:
+
+- ``bf16`` / ``fp16`` left unset: bf16 where the hardware runs it natively, fp16 on GPUs without fast bf16 (a T4),
+  fp32 on a CPU, said in one log line (TRL's own default, bf16, fails on a CPU). A value the user gives stands.
+- ``dataloader_pin_memory`` left unset: on only with an accelerator to copy batches to.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 from trl import SFTConfig
+
+from . import settings
+
+logger = logging.getLogger(__name__)
 
 AutoBool = Union[bool, Literal["auto"]]
 
 
 @dataclass
 class FastSFTConfig(SFTConfig):
-    """``SFTConfig`` with nbkit's switches. All TRL fields keep their meaning and defaults."""
+    """``SFTConfig`` with nbkit's switches. TRL's fields keep their meaning; three defaults follow the hardware."""
+
+    # -- TRL/transformers fields whose default nbkit chooses from the hardware (None: not set by the user)
+    bf16: Optional[bool] = field(
+        default=None,
+        metadata={"help": "bf16 mixed precision. Unset: on where the hardware runs bf16 natively (and fp16 unset)."},
+    )
+    fp16: Optional[bool] = field(
+        default=None,
+        metadata={"help": "fp16 mixed precision. Unset: on for GPUs without fast bf16 (a T4), off elsewhere."},
+    )
+    dataloader_pin_memory: Optional[bool] = field(
+        default=None,
+        metadata={"help": "Pin batches in host memory. Unset: on when there is an accelerator to copy them to."},
+    )
 
     cached_packing: bool = field(
         default=True,
@@ -76,23 +101,26 @@ class FastSFTConfig(SFTConfig):
         metadata={"help": "Attach nbkit.LiveDashboard: 'auto' inside a notebook, True always, False never."},
     )
 
-    # -- reliability (nbkit.reliability.guards, nbkit.reliability.resilience): these change what happens when something goes wrong, never
-    # the numbers of a run that goes right.
+    # -- reliability (nbkit.reliability): these change what happens when something goes wrong, never the numbers of
+    # a run that goes right.
     validate_inputs: bool = field(
         default=True,
         metadata={
             "help": "Check datasets and settings before training (empty dataset, missing or non-string fields, chats "
-            "without an assistant turn, no chat template, max_length below every document, incompatible switches) "
-            "and fail with an error naming the row or the setting. False skips the checks (TRL's own errors remain)."
+            "without an assistant turn, ShareGPT chats TRL would not convert, rows with nothing to learn, no chat "
+            "template, max_length below every document, incompatible switches) and fail with an error naming the "
+            "row or the setting. False skips the checks (TRL's own errors remain)."
         },
     )
     on_nonfinite_loss: str = field(
         default="stop",
         metadata={
             "help": "What a NaN/inf training loss does, detected at the micro-batch it appears in, with the batch's "
-            "dataset rows in the message. 'stop': raise NonFiniteLossError after its backward and before the optimizer step (the check reads the loss where transformers does, so it adds no host sync), so the weights and "
-            "checkpoints stay those of the last good step. 'skip': warn and skip that optimizer step (no weight or "
-            "optimizer-state update; under fp16 the GradScaler skips it). 'off': TRL's behaviour (no check)."
+            "dataset rows in the message. 'stop': raise NonFiniteLossError after its backward and before the "
+            "optimizer step (the check reads the loss where transformers does, so it adds no host sync), so the "
+            "weights and checkpoints stay those of the last good step. 'skip': warn and skip that optimizer step "
+            "(no weight or optimizer-state update; under fp16 the GradScaler skips it). 'off': TRL's behaviour (no "
+            "check). The same read warns about a batch whose labels are all masked (not with 'off')."
         },
     )
     atomic_saves: bool = field(
@@ -106,16 +134,13 @@ class FastSFTConfig(SFTConfig):
     )
 
     def __post_init__(self) -> None:
+        for name in settings.SWITCH_VALUES:
+            settings.check_value(name, getattr(self, name))
+        self.bf16, self.fp16, chosen = settings.mixed_precision(self.bf16, self.fp16, use_cpu=bool(self.use_cpu))
+        if chosen:
+            logger.warning(chosen)
+        self.dataloader_pin_memory = settings.pin_memory(self.dataloader_pin_memory, use_cpu=bool(self.use_cpu))
         super().__post_init__()
-        if self.on_nonfinite_loss not in ("stop", "skip", "off"):
-            raise ValueError(f"on_nonfinite_loss={self.on_nonfinite_loss!r}: use 'stop', 'skip' or 'off'")
-        allowed = {"auto", "flash_attn", "varlen", "flex", "sdpa_loop"}
-        if self.attention_kernel not in allowed:
-            raise ValueError(f"attention_kernel={self.attention_kernel!r}: choose one of {sorted(allowed)}")
-        for name in ("offload_checkpointing", "live_dashboard", "fused_kernels"):
-            value = getattr(self, name)
-            if value not in (True, False, "auto"):
-                raise ValueError(f"{name}={value!r}: use True, False or 'auto'")
 
 
 _SWITCH_DEFAULTS = {

@@ -3,28 +3,27 @@
 Contract: same constructor, datasets and behaviour as ``SFTTrainer``. The switches in ``FastSFTConfig`` change speed
 and memory only. Each speedup is an object this trainer owns, attached to the model when ``train()`` (or
 ``evaluate()``) starts and detached when it ends, so the model a user gets back is a plain transformers/PEFT model.
+What happens when something goes wrong (bad inputs, OOM, non-finite loss, a kill mid-save, resume) is
+``nbkit.reliability.trainer_mixin.ReliableTraining``, which this trainer inherits.
+
+One setting TRL changes on the model is handed back too: ``SFTTrainer.__init__`` sets ``output_router_logits=True``
+on a MoE config (for the load-balancing loss), with which a padded ``generate`` fails at its first decode step. It
+holds TRL's value inside ``train()`` / ``evaluate()`` (the auxiliary loss is unchanged) and the user's outside.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import inspect
 import logging
-import shutil
-from pathlib import Path
 from typing import Any, Iterator
 
-import torch
 from transformers import TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import SFTConfig, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from . import speedups
 from .config import switch as _switch
-from .reliability import resilience
-from .reliability.guards import validate_training_inputs
+from .reliability.trainer_mixin import ReliableTraining
 from .speedups.ledger import Speedup
 from .speedups.packed_attention import PackedCollator
 
@@ -51,7 +50,7 @@ class _TrainStageSpeedups(TrainerCallback):
         self.attached, self.pending = [], []
 
 
-class FastSFT(SFTTrainer):
+class FastSFT(ReliableTraining, SFTTrainer):
     """A drop-in ``SFTTrainer`` (same arguments) that trains faster with the same losses.
 
     Speedups (each a switch in ``FastSFTConfig``): cached packed-sequence metadata with varlen attention
@@ -59,7 +58,7 @@ class FastSFT(SFTTrainer):
     (``fast_moe_routing``), fused LoRA layers (``fused_lora``), Liger's fused RMSNorm/SwiGLU/RoPE kernels
     (``fused_kernels``), and a live notebook dashboard (``live_dashboard``).
 
-    Reliability (``nbkit.reliability.guards``, ``nbkit.reliability.resilience``): inputs are checked before TRL prepares them
+    Reliability (``ReliableTraining``, ``nbkit.reliability``): inputs are checked before TRL prepares them
     (``validate_inputs``); an out-of-memory step raises ``TrainingOutOfMemoryError`` naming the step, the memory and
     what to change; a non-finite loss stops or skips per ``on_nonfinite_loss``; checkpoints and ``save_model`` are
     written atomically (``atomic_saves``) and ``train(resume_from_checkpoint=True)`` resumes from the newest complete
@@ -73,13 +72,13 @@ class FastSFT(SFTTrainer):
         self._train_stage = _TrainStageSpeedups()
         self._nbkit_active = False
         self.nbkit_attached: list[str] = []  # what the last train()/evaluate() ran with, kept after detach
-        self.nbkit_skipped: list[resilience.NonFiniteLoss] = []  # batches on_nonfinite_loss="skip" stepped over
-        self._nbkit_micro = 0  # micro-batches run in the current gradient-accumulation window
-        self._nbkit_skip_window = False
-        self._nbkit_staging: Path | None = None
-        self._nbkit_locator: resilience.DocumentLocator | None = None
-        self._nbkit_check_inputs(model, args, data_collator, pargs, kwargs)
+        router = _router_setting(model)
         super().__init__(model, args, data_collator, *pargs, **kwargs)
+        self._nbkit_router = router if router is not None else _router_setting(self.model, given_by_name=True)
+        if self._nbkit_router is not None:  # (config, the user's value, TRL's value): the user's from now on
+            config, user, _ = self._nbkit_router
+            self._nbkit_router = (config, user, config.output_router_logits)
+            config.output_router_logits = user
         if _switch(self.args, "cached_packing"):
             self._install_packed_collator()
         self.add_callback(self._train_stage)
@@ -149,248 +148,45 @@ class FastSFT(SFTTrainer):
         return [f"{s.name}({s.kernel})" if getattr(s, "kernel", None) else s.name
                 for s in self._speedups + self._train_stage.attached]
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
-        """``SFTTrainer.train`` with the speedups attached; ``resume_from_checkpoint=True`` picks the newest complete
-        checkpoint, and an out-of-memory error outside the step (optimizer, evaluation, save) is explained too."""
-        resume_from_checkpoint = self._nbkit_prepare_resume(resume_from_checkpoint)
-        self._nbkit_micro, self._nbkit_skip_window = 0, False
-        with self.nbkit_speedups():
-            try:
-                result = super().train(resume_from_checkpoint, *args, **kwargs)
-            except torch.OutOfMemoryError as error:
-                if isinstance(error, resilience.TrainingOutOfMemoryError):
-                    raise
-                original = resilience.forget_exception(error)
-            else:
-                if self.nbkit_skipped:
-                    logger.warning(resilience.skip_summary(self.nbkit_skipped))
-                return result
-        raise self._nbkit_oom_error(original, "the optimizer step, an evaluation or a save") from None
+    def train(self, *args: Any, **kwargs: Any):
+        """``SFTTrainer.train`` with the speedups attached (and ``ReliableTraining``'s handling around the step)."""
+        with self.nbkit_speedups(), self._trl_router_setting():
+            return super().train(*args, **kwargs)
 
     def evaluate(self, *args: Any, **kwargs: Any):
-        with self.nbkit_speedups():
+        with self.nbkit_speedups(), self._trl_router_setting():
             return super().evaluate(*args, **kwargs)
 
-    # -- reliability: input checks, OOM, non-finite loss (nbkit.reliability.guards, nbkit.reliability.resilience) ----------------------------
-    def _nbkit_check_inputs(self, model: Any, args: Any, data_collator: Any, pargs: tuple, kwargs: dict) -> None:
-        """Validate the raw datasets and settings before TRL prepares them; keep what locating rows needs later."""
-        given = inspect.signature(SFTTrainer.__init__).bind(self, model, args, data_collator, *pargs, **kwargs).arguments
-        self._nbkit_raw_train = given.get("train_dataset")
-        self._nbkit_formatting_func = given.get("formatting_func")
-        if self._nbkit_raw_train is None or not _switch(args, "validate_inputs"):
-            return  # TRL raises its own error for a missing train_dataset
-        validate_training_inputs(
-            args,
-            self._nbkit_raw_train,
-            eval_dataset=given.get("eval_dataset"),
-            processing_class=given.get("processing_class"),
-            data_collator=data_collator,
-            formatting_func=self._nbkit_formatting_func,
-        )
-
-    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None):
-        """TRL's step; an out-of-memory error frees the step's memory and is re-raised with what to change."""
-        self._nbkit_micro += 1
-        self._nbkit_pending_loss = None
-        try:
-            loss = super().training_step(model, inputs, num_items_in_batch)
-        except torch.OutOfMemoryError as error:
-            if isinstance(error, resilience.TrainingOutOfMemoryError):
-                raise
-            original = resilience.forget_exception(error)  # its frames hold the step's activations
-        else:
-            self._nbkit_check_loss(inputs)
-            self._nbkit_end_micro_batch()
-            return loss
-        del inputs
-        raise self._nbkit_oom_error(original, "the forward/backward pass") from None
-
-    def _nbkit_end_micro_batch(self) -> None:
-        if not self.accelerator.sync_gradients:
-            return  # more micro-batches to accumulate before the optimizer steps
-        if self._nbkit_skip_window:
-            # on_nonfinite_loss="skip": apply nothing of this window; torch optimizers leave parameters without a
-            # gradient (and their state) untouched
-            self.model.zero_grad(set_to_none=True)
-        self._nbkit_skip_window = False
-        self._nbkit_micro = 0
-
-    def _nbkit_oom_error(self, original: str, where: str) -> resilience.TrainingOutOfMemoryError:
-        resilience.free_memory(self.model)
-        return resilience.out_of_memory_error(
-            original,
-            step=self.state.global_step + 1,
-            micro_batch=self._nbkit_micro or None,
-            accumulation=self.args.gradient_accumulation_steps,
-            where=where,
-            args=self.args,
-            model=self.model,
-            device=self.args.device,
-        )
-
-    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
-                     num_items_in_batch: Any = None):
-        """TRL's loss; in training it is kept for the non-finite check made after its backward (``on_nonfinite_loss``).
-
-        The check is not made here: reading the loss on the host between forward and backward stalls the GPU queue
-        (measured on an H200, Qwen3-1.7B QLoRA 16K: 590 ms vs 499 ms per step). After the backward, transformers reads
-        the loss anyway (``logging_nan_inf_filter``), and nothing has touched the weights yet.
-        """
-        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                      num_items_in_batch=num_items_in_batch)
-        if self.model.training and _switch(self.args, "on_nonfinite_loss") != "off":
-            self._nbkit_pending_loss = (result[0] if return_outputs else result).detach()
-        return result
-
-    def _nbkit_check_loss(self, inputs: dict[str, Any]) -> None:
-        """After a micro-batch's backward, before any optimizer step: stop or skip on a non-finite loss."""
-        loss, self._nbkit_pending_loss = getattr(self, "_nbkit_pending_loss", None), None
-        if loss is None:
+    @contextlib.contextmanager
+    def _trl_router_setting(self) -> Iterator[None]:
+        """MoE ``output_router_logits``: TRL's value inside the block, the one before it after."""
+        if self._nbkit_router is None:
+            yield
             return
-        finite = torch.isfinite(loss).all()
-        if self.accelerator.num_processes > 1:  # every rank must take the same branch: collectives follow
-            finite = self.accelerator.reduce((~finite).to(torch.int32), reduction="sum") == 0
-        if bool(finite):  # one host read per micro-batch, where transformers makes its own
-            return
-        self._nbkit_nonfinite(loss, inputs, _switch(self.args, "on_nonfinite_loss"))
-
-    def _nbkit_nonfinite(self, loss: torch.Tensor, inputs: dict[str, Any], mode: str) -> None:
-        """Raise (``stop``), or record the event and mark the window so its gradients are dropped (``skip``)."""
-        documents, spans = resilience.batch_documents(inputs)
-        locator = self._nbkit_document_locator()
-        rows = locator.locate(documents) if locator is not None else None
-        single = self.accelerator.num_processes == 1
-        local = bool(torch.isfinite(loss.detach()).all())
-        event = resilience.NonFiniteLoss(
-            step=self.state.global_step + 1,
-            micro_batch=max(1, self._nbkit_micro),
-            accumulation=self.args.gradient_accumulation_steps,
-            value=float(loss.detach().float().cpu()),
-            rows=rows,
-            spans=spans,
-            culprits=self._nbkit_nonfinite_documents(inputs, spans) if single else None,  # no lone forwards
-            note="; ".join(n for n in (locator.note if locator is not None else "",
-                                       "" if not local else "finite here, non-finite on another process") if n),
-        )
-        if mode == "stop":
-            self.model.zero_grad(set_to_none=True)  # the window's partial gradients must not reach a later step
-            last = resilience.last_complete_checkpoint(self.args.output_dir) if self.args.output_dir else None
-            kept = f"; the last checkpoint, {last}, is intact" if last else ""
-            held = f"the weights of step {event.step - 1}" if event.step > 1 else "its initial weights"
-            raise resilience.NonFiniteLossError(
-                f"nbkit: {event.describe()}. Training stopped after this batch's backward, before any optimizer step: the model holds {held}"
-                f"{kept}. Look at those rows (an extreme or corrupt example), lower learning_rate or set "
-                "max_grad_norm, or set on_nonfinite_loss='skip' to step over such batches.",
-                event,
-            )
-        logger.warning("nbkit: %s; skipping optimizer step %d (on_nonfinite_loss='skip')", event.describe(), event.step)
-        self.nbkit_skipped.append(event)
-        # The backward still runs (DDP and FSDP expect one after every forward); then either the GradScaler (fp16)
-        # finds the non-finite gradients and skips the step itself, or the window's gradients are dropped.
-        self._nbkit_skip_window = self.accelerator.scaler is None
-
-    @torch.no_grad()
-    def _nbkit_nonfinite_documents(self, inputs: dict[str, Any], spans: list[tuple[int, int, int]]) -> list[int] | None:
-        """Which of the batch's documents give a non-finite loss on their own: one no-grad forward each, through
-        TRL's fused head (the loss path), with the RNG forked so a skipped run's later steps are unchanged."""
-        ids, labels = inputs.get("input_ids"), inputs.get("labels")
-        if ids is None or labels is None:
-            return None
-        devices = [ids.device.index or 0] if ids.is_cuda else []
-        culprits = []
+        config, _, trl_value = self._nbkit_router
+        before = config.output_router_logits  # nested (evaluate() inside train()): TRL's value already
+        config.output_router_logits = trl_value
         try:
-            with torch.random.fork_rng(devices=devices):
-                for i, (row, start, end) in enumerate(spans):
-                    out = self.model(
-                        input_ids=ids[row : row + 1, start:end],
-                        labels=labels[row : row + 1, start:end],
-                        position_ids=torch.arange(end - start, device=ids.device)[None],
-                        fused_lm_head=True,
-                        use_cache=False,
-                    )
-                    if not bool(torch.isfinite(out.log_probs).all()):
-                        culprits.append(i)
-        except Exception as error:  # a courtesy of the error path: never hide the real error behind it
-            logger.warning("nbkit: could not test the documents one by one (%s: %s)", type(error).__name__, error)
-            return None
-        return culprits
-
-    def _nbkit_document_locator(self) -> resilience.DocumentLocator | None:
-        """Maps a batch's documents to rows of the user's train_dataset, built on first use (see resilience)."""
-        if self._nbkit_locator is None and self._nbkit_raw_train is not None:
-            args = copy.copy(self.args)
-            args.max_length, args.shuffle_dataset = None, False  # whole documents, in dataset order
-
-            def prepare(dataset):
-                return self._prepare_dataset(dataset, self.processing_class, args, False, self._nbkit_formatting_func,
-                                             "nbkit row lookup")
-
-            self._nbkit_locator = resilience.DocumentLocator(self._nbkit_raw_train, prepare)
-        return self._nbkit_locator
-
-    # -- reliability: atomic checkpoints and saves, resume -------------------------------------------------------------
-    def _nbkit_atomic(self) -> bool:
-        """Staged saves need one writer and a local rename: single process, no Hub push, no DeepSpeed/FSDP."""
-        return bool(_switch(self.args, "atomic_saves")) and not self.args.push_to_hub and self.args.world_size == 1 \
-            and not self.is_deepspeed_enabled and not self.is_fsdp_enabled
-
-    def _get_output_dir(self, trial: Any) -> str:
-        """While a checkpoint is being staged, transformers writes it into the staging folder."""
-        if self._nbkit_staging is not None:
-            return str(self._nbkit_staging)
-        return super()._get_output_dir(trial)
-
-    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        """transformers' checkpoint, written into a hidden staging folder and renamed to ``checkpoint-N`` whole."""
-        if not self._nbkit_atomic():
-            return super()._save_checkpoint(model, trial)
-        run_dir = Path(super()._get_output_dir(trial))
-        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        staging = resilience.new_staging_dir(run_dir, name)
-        self._nbkit_staging = staging
-        try:
-            super()._save_checkpoint(model, trial)  # its own rotation runs in the staging folder: nothing to rotate
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+            yield
         finally:
-            self._nbkit_staging = None
-        written = staging / name
-        best = self.state.best_model_checkpoint
-        if best is not None and Path(best).parent == staging:  # transformers recorded the staging path
-            self.state.best_model_checkpoint = str(run_dir / Path(best).name)
-            self.state.save_to_json(str(written / "trainer_state.json"))
-        resilience.publish_directory(written, run_dir / name)
-        shutil.rmtree(staging, ignore_errors=True)
-        if self.args.should_save:
-            rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+            config.output_router_logits = before
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """``Trainer.save_model``; a user's call writes to a staging folder first (``resilience.atomic_directory``)."""
-        if _internal_call or not self._nbkit_atomic():
-            return super().save_model(output_dir, _internal_call)
-        target = output_dir if output_dir is not None else self.args.output_dir
-        with resilience.atomic_directory(target) as staging:
-            super().save_model(str(staging), _internal_call)
 
-    def _nbkit_prepare_resume(self, resume: str | bool | None) -> str | bool | None:
-        """Tidy what a kill left in output_dir; turn ``True`` into the newest complete checkpoint. Without atomic
-        saves (switched off, several processes, DeepSpeed/FSDP layouts) transformers' own choice stands."""
-        output_dir = self.args.output_dir
-        if not output_dir or not self._nbkit_atomic():
-            return resume
-        for done in resilience.recover_interrupted(output_dir):
-            logger.warning("nbkit: %s in %s", done, output_dir)
-        if resume is not True:
-            return resume
-        skipped: list[tuple[str, str]] = []
-        found = resilience.last_complete_checkpoint(output_dir, skipped)
-        for path, why in skipped:
-            logger.warning("nbkit: not resuming from %s: %s", path, why)
-        if found is None:
-            extra = f" ({len(skipped)} incomplete: {', '.join(p for p, _ in skipped)})" if skipped else ""
-            raise ValueError(f"resume_from_checkpoint=True, but {output_dir} holds no complete checkpoint{extra}: "
-                             "start without resume_from_checkpoint, or point output_dir at the run's folder")
-        logger.info("nbkit: resuming from %s", found)
-        return found
+def _router_setting(model: Any, given_by_name: bool = False) -> tuple[Any, Any, Any] | None:
+    """(the text config, the user's ``output_router_logits``, its value now) of a MoE model; None for other models.
+
+    ``given_by_name``: TRL loaded the model and set the value already; the user's is the config class's default.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "get_text_config"):
+        return None
+    text_config = config.get_text_config()
+    if not hasattr(text_config, "output_router_logits"):
+        return None
+    user = text_config.output_router_logits
+    if given_by_name:
+        try:
+            user = bool(getattr(type(text_config)(), "output_router_logits", False))
+        except Exception:  # a config class that cannot be built without arguments
+            user = False
+    return text_config, user, text_config.output_router_logits

@@ -19,8 +19,9 @@ Settings that would make 1 and 2 processes differ for reasons that are not bugs 
 to bf16, i.e. CPU autocast), LoRA dropout 0 (a rank-dependent RNG), LoRA A drawn from a seeded RNG (PEFT uses the
 global one), constant learning rate, MoE load-balancing loss off (TRL's aux loss is a per-rank mean).
 
-Each rank writes ``DIR/<run>-rank<r>.json`` (what it saw and logged) and ``DIR/<run>-rank<r>.pt`` (trainable
-weights after training, or the gradients for ``fsdp2``). Runs: ``main``; with ``--control`` also ``noavg``
+Every rank attaches the dashboard (text mode, into a buffer) as ``FastSFT`` does in a notebook. Each rank writes
+``DIR/<run>-rank<r>.json`` (what it saw and logged, and what its dashboard showed) and ``DIR/<run>-rank<r>.pt``
+(trainable weights after training, or the gradients for ``fsdp2``). Runs: ``main``; with ``--control`` also ``noavg``
 (``average_tokens_across_devices=False``: each rank divides by its own token count, which must differ);
 ``fsdp2`` with ``--fsdp2-direct``.
 """
@@ -28,6 +29,7 @@ weights after training, or the gradients for ``fsdp2``). Runs: ``main``; with ``
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 from pathlib import Path
@@ -113,6 +115,14 @@ def speedup_report(speedups: list) -> list[dict[str, Any]]:
     return report
 
 
+def dashboard_record(summary: Any) -> dict[str, Any] | None:
+    """What rank 0's dashboard showed at the end (None on the other ranks: they show nothing)."""
+    if summary is None:
+        return None
+    return {"step": summary.step, "tokens": summary.tokens, "tokens_per_s_mean": summary.tokens_per_s_mean,
+            "world_size": summary.world_size, "ranks": [r.as_dict() for r in summary.ranks]}
+
+
 def tiny_lora_model(family: str, tokenizer):
     from peft import LoraConfig, get_peft_model
 
@@ -132,6 +142,7 @@ def train_once(opts: argparse.Namespace, run: str, **config_overrides: Any) -> N
     from trl import SFTTrainer
 
     from nbkit import FastSFT, FastSFTConfig
+    from nbkit.dashboard import attach_dashboard
     from nbkit.demo.data import make_dataset
     from nbkit.demo.models import MOE_FAMILIES
     from nbkit.demo.tokenizer import load_demo_tokenizer
@@ -157,7 +168,12 @@ def train_once(opts: argparse.Namespace, run: str, **config_overrides: Any) -> N
     dataset = make_dataset("messages", n=160, split="train", seed=0)
     trainer = (SFTTrainer if opts.plain else FastSFT)(model=model, args=config, train_dataset=dataset,
                                                        processing_class=tokenizer)
-    recorder, memory = Recorder(), RankMemoryCallback()
+    # the dashboard as FastSFT attaches it in a notebook, on every rank; text into a buffer, a line per render.
+    # On 2 processes it brings the RankMemoryCallback this script records; on 1 there is none, so add one.
+    board_text = io.StringIO()
+    board = attach_dashboard(trainer, mode="text", stream=board_text, min_interval=0.0, text_interval=0.0)
+    from_dashboard = board.rank_memory is not None
+    recorder, memory = Recorder(), board.rank_memory or RankMemoryCallback()
     seen: dict[str, Any] = {}
 
     class Record(TrainerCallback):
@@ -166,11 +182,13 @@ def train_once(opts: argparse.Namespace, run: str, **config_overrides: Any) -> N
 
         def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001
             # still inside train(): the speedups are attached and their counters say what ran on this rank
+            train_stage = getattr(trainer, "_train_stage", None)  # FastSFT's train-stage speedups (offload)
             seen["speedups"] = speedup_report(getattr(trainer, "_speedups", []) +
-                                              getattr(trainer, "_training_speedups", []))
+                                              (train_stage.attached if train_stage is not None else []))
             recorder.detach()
 
-    trainer.add_callback(memory)
+    if not from_dashboard:
+        trainer.add_callback(memory)
     trainer.add_callback(Record())
     trainer.train()
 
@@ -186,6 +204,9 @@ def train_once(opts: argparse.Namespace, run: str, **config_overrides: Any) -> N
         "log_history": trainer.state.log_history,
         "rank_memory": [m.as_dict() for m in memory.latest],
         "rank_memory_gathers": memory.gathers,
+        "rank_memory_from_dashboard": from_dashboard,
+        "rank_memory_callbacks": sum(isinstance(c, RankMemoryCallback) for c in trainer.callback_handler.callbacks),
+        "dashboard": dashboard_record(board.summary), "dashboard_text": board_text.getvalue(),
         "pid": os.getpid(),
     }
     (out / f"{run}-rank{rank}.json").write_text(json.dumps(record))

@@ -10,11 +10,11 @@ import types
 
 import pytest
 import torch
-from transformers import TrainerCallback, TrainerControl, TrainerState
-from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, ProgressCallback
+from transformers import TrainerControl, TrainerState
 
 from nbkit import dashboard as dash
-from nbkit.dashboard import LiveDashboard, MemoryReading, attach_dashboard, in_notebook, resolve_mode
+from nbkit import memory
+from nbkit.dashboard import LiveDashboard, MemoryReading, in_notebook, resolve_mode, views
 
 GIB = 2**30
 pytestmark = pytest.mark.filterwarnings("ignore:LiveDashboard was added with add_callback")
@@ -126,11 +126,11 @@ def test_renders_at_most_every_min_interval_and_batches_data(fake_display):
     assert len(handle.updates) == 4
     assert d.renders == 5
     # the render at 0.5 s happened on step 4's on_step_end: step 4 shown, its loss not yet (it is logged after)
-    first = handle.updates[0].data
+    first = handle.updates[0].html
     assert "step 4/16" in first and "4.0000 last" not in first and "3.0000 last" in first
     # nothing logged in between renders is lost: the summary has every loss
     d.on_train_end(ARGS, state, TrainerControl())
-    assert len(handle.updates) == 5 and "training finished" in handle.updates[-1].data
+    assert len(handle.updates) == 5 and "training finished" in handle.updates[-1].html
     assert [h[1] for h in d.summary.history] == [float(i) for i in range(1, 17)]
     assert len(fake_display.calls) == 1
 
@@ -139,7 +139,7 @@ def test_no_render_while_clock_stands_still(fake_display):
     clock = FakeClock()
     d = LiveDashboard(mode="html", clock=clock, memory_reader=fixed_memory())
     state = begin(d, 1000)
-    for i in range(1000):
+    for _ in range(1000):
         step(d, state, clock, 0.0, {"loss": 1.0})
     assert d.renders == 1 and fake_display.handles[0].updates == []
 
@@ -161,7 +161,7 @@ def test_renders_only_from_the_training_thread(fake_display):
     assert d.renders == 1 and fake_display.handles[0].updates == []
     # the data it brought is kept and shown by the training thread's next render
     step(d, state, clock, 1.0)
-    assert d.renders == 2 and "2.0000 last" in fake_display.handles[0].updates[-1].data
+    assert d.renders == 2 and "2.0000 last" in fake_display.handles[0].updates[-1].html
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -249,7 +249,7 @@ def test_text_mode_not_a_tty_writes_one_line_per_interval(fake_display):
 
 
 def test_text_mode_on_a_tty_rewrites_one_line(monkeypatch):
-    monkeypatch.setattr(dash.shutil, "get_terminal_size", lambda fallback=None: types.SimpleNamespace(columns=81))
+    monkeypatch.setattr(views.shutil, "get_terminal_size", lambda fallback=None: types.SimpleNamespace(columns=81))
     clock = FakeClock()
     out = TtyIO()
     d = LiveDashboard(mode="text", clock=clock, memory_reader=fixed_memory(), stream=out)
@@ -271,7 +271,7 @@ def test_html_mode_displays_once_and_updates_in_place(fake_display):
     updates = fake_display.handles[0].updates
     assert 1 <= len(updates) <= 10 / 0.5 + 2
     assert len(d.summary.history) <= 513  # decimated, not growing with the steps
-    assert max(len(u.data) for u in updates) < 40_000
+    assert max(len(u.html) for u in updates) < 40_000
     assert d.summary.history[-1][0] == 1000 and d.summary.history[0][0] == 1
 
 
@@ -295,7 +295,7 @@ def test_widget_mode_one_panel_values_in_place_then_summary(fake_display):
     d.on_train_end(ARGS, state, TrainerControl())
     assert view.bar.value == 1000
     final = fake_display.handles[0].updates
-    assert len(final) == 1 and "training finished" in final[0].data  # the output now holds the static summary
+    assert len(final) == 1 and "training finished" in final[0].html  # the output now holds the static summary
     assert view.panel.comm is None  # closed
 
 
@@ -393,7 +393,7 @@ def test_cpu_run_shows_no_vram_but_host_ram(monkeypatch):
     assert s.vram_percent is None and "VRAM" not in dash.text_line(s) and "RAM " in dash.text_line(s)
     assert "not on CUDA" in dash.panel_html(s)
     monkeypatch.setitem(sys.modules, "psutil", None)  # the /proc fallback
-    used, total = dash.host_memory()
+    used, total = memory.host_memory()
     assert total == reading.host_total and 0 < used <= total
 
 
@@ -401,7 +401,9 @@ def test_formatting():
     assert dash.fmt_duration(3725) == "1:02:05" and dash.fmt_duration(65.4) == "01:05"
     assert dash.fmt_duration(None) == "--" and dash.fmt_duration(float("inf")) == "--"
     assert dash.fmt_count(2310) == "2.31k" and dash.fmt_count(12) == "12" and dash.fmt_count(1.5e6) == "1.5M"
-    assert dash.fmt_bytes(3 * GIB // 2) == "1.5 GiB" and dash.fmt_bytes(512 * 2**20) == "512 MiB"
+    # bytes through nbkit.memory: one GiB decimal on the dashboard, two elsewhere
+    assert memory.fmt_bytes(3 * GIB // 2, 1) == "1.5 GiB" and memory.fmt_bytes(3 * GIB // 2) == "1.50 GiB"
+    assert memory.fmt_bytes(512 * 2**20, 1) == "512 MiB" and memory.fmt_bytes(None) == "--"
 
 
 def test_loss_chart_is_static_svg_and_skips_bad_values():
@@ -423,248 +425,115 @@ def test_evaluation_during_training_is_shown(fake_display):
     for _ in loader:
         clock.advance(1.0)
         d.on_prediction_step(ARGS, state, TrainerControl(), eval_dataloader=loader)
-    assert "evaluating 3/3" in fake_display.handles[0].updates[-1].data
+    assert "evaluating 3/3" in fake_display.handles[0].updates[-1].html
     d.on_log(ARGS, state, TrainerControl(), logs={"eval_loss": 1.25})
     d.on_evaluate(ARGS, state, TrainerControl(), metrics={"eval_loss": 1.25})
-    last = fake_display.handles[0].updates[-1].data
+    last = fake_display.handles[0].updates[-1].html
     assert "evaluating" not in last and "1.2500" in last
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# attaching to a trainer
+# text-only viewers
 
 
-class RecordingProgress(ProgressCallback):
-    def __init__(self) -> None:
-        super().__init__()
-        self.events: list[str] = []
+def _formatted(obj) -> dict:
+    """The mime bundle a kernel sends for ``obj`` (IPython's own formatter, as ``display`` uses it)."""
+    from IPython.core.formatters import DisplayFormatter
 
-    def on_prediction_step(self, args, state, control, **kwargs):
-        self.events.append("on_prediction_step")
-
-    def on_evaluate(self, args, state, control, **kwargs):
-        self.events.append("on_evaluate")
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        self.events.append("on_log")
+    data, _ = DisplayFormatter().format(obj)
+    return data
 
 
-class Other(TrainerCallback):
-    pass
-
-
-def _fake_trainer():
-    from transformers.utils.notebook import NotebookProgressCallback
-
-    callbacks = [DefaultFlowCallback(), NotebookProgressCallback(), Other(), RecordingProgress()]
-    handler = CallbackHandler(callbacks, model=None, processing_class=None, optimizer=None, lr_scheduler=None)
-    return types.SimpleNamespace(callback_handler=handler)
-
-
-def test_attach_replaces_progress_displays_and_detach_restores_them():
-    trainer = _fake_trainer()
-    before = list(trainer.callback_handler.callbacks)
-    d = LiveDashboard(mode="text")
-    assert d.attach(trainer) is d
-    after = trainer.callback_handler.callbacks
-    assert [type(c).__name__ for c in after] == ["DefaultFlowCallback", "Other", "LiveDashboard"]
-    assert d.displaced == [before[1], before[3]]
-    d.attach(trainer)  # idempotent
-    assert after.count(d) == 1 and d.displaced == [before[1], before[3]]
-    d.detach()
-    assert trainer.callback_handler.callbacks == before
-
-
-def test_a_second_dashboard_replaces_the_first():
-    trainer = _fake_trainer()
-    before = list(trainer.callback_handler.callbacks)
-    first = attach_dashboard(trainer, mode="text")
-    second = attach_dashboard(trainer, mode="text")
-    callbacks = trainer.callback_handler.callbacks
-    assert first not in callbacks and callbacks.count(second) == 1
-    assert [type(c).__name__ for c in callbacks] == ["DefaultFlowCallback", "Other", "LiveDashboard"]
-    second.detach()
-    assert trainer.callback_handler.callbacks == before
-
-
-def test_events_outside_training_go_to_the_displaced_progress_display(fake_display):
-    trainer = _fake_trainer()
-    recorder = trainer.callback_handler.callbacks[3]
-    d = attach_dashboard(trainer, mode="html", clock=FakeClock(), memory_reader=fixed_memory())
-    state = TrainerState()
-    handler = trainer.callback_handler
-    handler.on_prediction_step(ARGS, state, TrainerControl())
-    handler.on_log(ARGS, state, TrainerControl(), logs={"eval_loss": 1.0})
-    handler.on_evaluate(ARGS, state, TrainerControl(), metrics={"eval_loss": 1.0})
-    assert recorder.events == ["on_prediction_step", "on_log", "on_evaluate"]
-    # the notebook table, displaced, still shows a standalone evaluation's metrics (its one display call)
-    assert len(fake_display.calls) == 1 and d.renders == 0
-    # during training the dashboard handles them itself
-    begin(d, 3)
-    handler.on_prediction_step(ARGS, state, TrainerControl())
-    assert recorder.events == ["on_prediction_step", "on_log", "on_evaluate"]
-
-
-def test_add_callback_in_a_notebook_warns_about_the_remaining_table(fake_display):
-    d = LiveDashboard(mode="html", clock=FakeClock(), memory_reader=fixed_memory())
-    with pytest.warns(UserWarning, match="attach_dashboard"):
-        begin(d, 3)
-
-
-def test_a_failing_display_or_memory_reader_never_stops_training(monkeypatch, fake_display):
+def test_html_outputs_carry_the_text_line_then_the_summary_as_text_plain(fake_display):
     clock = FakeClock()
-
-    def broken_reader():
-        raise RuntimeError("CUDA error: device lost")
-
-    d = LiveDashboard(mode="html", clock=clock, memory_reader=broken_reader)
-    state = begin(d, 10)
-    assert d.snapshot().memory == MemoryReading()  # unknown, not an exception
-    monkeypatch.setattr(dash.HtmlView, "update", lambda self, s: 1 / 0)
-    with pytest.warns(UserWarning, match="stopped displaying: ZeroDivisionError"):
-        step(d, state, clock, 1.0, {"loss": 1.0})
-    assert d.view is None
-    for _ in range(3):
-        step(d, state, clock, 1.0, {"loss": 1.0})
+    d = LiveDashboard(mode="html", clock=clock, memory_reader=fixed_memory())
+    state = begin(d, 4)
+    first = _formatted(fake_display.calls[0])
+    assert first["text/plain"].startswith("[nbkit] step 0/4") and "nbkit · training" in first["text/html"]
+    step(d, state, clock, 1.0, {"loss": 2.0, "num_tokens": 100.0})
+    step(d, state, clock, 1.0)  # the render after the log shows its loss
+    live = _formatted(fake_display.handles[0].updates[-1])
+    assert live["text/plain"].startswith("[nbkit] step 2/4") and "loss 2.0000" in live["text/plain"]
     d.on_train_end(ARGS, state, TrainerControl())
-    assert d.summary.step == 4
+    final = _formatted(fake_display.handles[0].updates[-1])
+    assert final["text/plain"] == dash.summary_text(d.summary)
+    assert final["text/plain"].startswith("[nbkit] training finished: 2/4 steps") and "finished" in final["text/html"]
 
 
-def test_only_the_main_process_shows_anything(fake_display):
-    d = LiveDashboard(mode="html", clock=FakeClock(), memory_reader=fixed_memory())
-    state = TrainerState(max_steps=3, is_world_process_zero=False)
-    d.on_train_begin(ARGS, state, TrainerControl())
-    state.global_step = 1
-    d.on_step_end(ARGS, state, TrainerControl())
+def test_widget_output_carries_the_text_line_as_text_plain(fake_display):
+    clock = FakeClock()
+    d = LiveDashboard(mode="widget", clock=clock, memory_reader=fixed_memory())
+    state = begin(d, 3)
+    bundle = _formatted(fake_display.calls[0])
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert bundle["text/plain"].startswith("[nbkit] step 0/3") and "VBox" not in bundle["text/plain"]
+    step(d, state, clock, 1.0, {"loss": 1.5})
     d.on_train_end(ARGS, state, TrainerControl())
-    assert fake_display.calls == [] and d.summary is None
+    final = _formatted(fake_display.handles[0].updates[-1])
+    assert final["text/plain"].startswith("[nbkit] training finished: 1/3 steps")
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# a real tiny TRL run on CPU
+# steps and epochs
 
 
-def _tiny_sft_parts():
-    from datasets import Dataset
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from nbkit.demo.tokenizer import load_demo_tokenizer
-
-    tok = load_demo_tokenizer()
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    words = ["red", "green", "blue", "cat", "dog", "runs", "sleeps", "fast", "slowly", "today"]
-    texts = [" ".join(words[(i * k) % len(words)] for k in range(1, 4 + i % 5)) for i in range(48)]
-    return model, tok, Dataset.from_dict({"text": texts})
+def _at_epoch(max_steps_arg: int, step_no: int, epoch: float, max_steps: int, num_epochs: float) -> str:
+    d = LiveDashboard(mode="text", clock=FakeClock(), memory_reader=fixed_memory(), stream=io.StringIO())
+    args = types.SimpleNamespace(device=torch.device("cpu"), max_steps=max_steps_arg)
+    state = TrainerState(max_steps=max_steps, num_train_epochs=num_epochs)
+    d.on_train_begin(args, state, TrainerControl())
+    state.global_step, state.epoch = step_no, epoch
+    d.on_step_end(args, state, TrainerControl())
+    s = d.snapshot()
+    return dash.text_line(s) + "\n" + dash.panel_html(s)
 
 
-def _sft_args(out, **kw):
-    base = dict(output_dir=str(out), max_steps=6, per_device_train_batch_size=4, logging_steps=1, report_to=[],
-                use_cpu=True, save_strategy="no", max_length=32, learning_rate=1e-3)
-    return {**base, **kw}
+def test_a_max_steps_run_shows_epochs_as_data_seen_not_as_a_total():
+    # max_steps=100 over 35 steps per epoch: transformers sets num_train_epochs to 3, which is no goal of the run
+    shown = _at_epoch(max_steps_arg=100, step_no=100, epoch=2.86, max_steps=100, num_epochs=3)
+    assert "step 100/100 100% | 2.86 epochs of data" in shown
+    assert "/3" not in shown and "epoch 2.86" not in shown
 
 
-def test_real_sft_trainer_run(tmp_path):
-    from trl import SFTConfig, SFTTrainer
-
-    torch.set_num_threads(2)
-    model, tok, ds = _tiny_sft_parts()
-    trainer = SFTTrainer(model=model, args=SFTConfig(**_sft_args(tmp_path)), train_dataset=ds, processing_class=tok)
-    before = list(trainer.callback_handler.callbacks)
-    assert any(isinstance(c, ProgressCallback) for c in before)
-    out = io.StringIO()
-    d = attach_dashboard(trainer, mode="text", stream=out, min_interval=0.0, text_interval=0.0)
-    assert not any(isinstance(c, ProgressCallback) for c in trainer.callback_handler.callbacks)
-    trainer.train()
-    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-    s = d.summary
-    assert s.step == 6 and s.max_steps == 6 and len(logs) == 6
-    assert s.tokens == int(logs[-1]["num_tokens"]) > 0  # tokens as TRL counts them
-    assert s.tokens_per_s_mean > 0 and s.tokens_per_s > 0
-    assert s.loss == pytest.approx(logs[-1]["loss"]) and [h[1] for h in s.history] == [e["loss"] for e in logs]
-    assert s.train_loss == pytest.approx(trainer.state.log_history[-1]["train_loss"])
-    assert s.memory.total is None and s.memory.host_total  # CPU: no VRAM, host RAM
-    text = out.getvalue()
-    assert text.count("[nbkit] step") == d.renders and "[nbkit] training finished: 6/6 steps" in text
-    d.detach()
-    assert trainer.callback_handler.callbacks == before
-
-
-def test_real_sft_trainer_with_add_callback_html(tmp_path, fake_display):
-    from trl import SFTConfig, SFTTrainer
-
-    torch.set_num_threads(2)
-    model, tok, ds = _tiny_sft_parts()
-    d = LiveDashboard(mode="html")
-    trainer = SFTTrainer(model=model, args=SFTConfig(**_sft_args(tmp_path, max_steps=3)), train_dataset=ds,
-                         processing_class=tok, callbacks=[d])
-    with pytest.warns(UserWarning, match="attach_dashboard"):
-        trainer.train()
-    assert len(fake_display.calls) == 1
-    summary = fake_display.handles[0].updates[-1].data
-    assert "training finished" in summary and "step 3/3" in summary
-    assert f"{dash.fmt_count(d.summary.tokens_per_s_mean)} mean" in summary and "RAM" in summary
-
-
-def test_fast_sft_attaches_the_dashboard(tmp_path):
-    trainer_mod = pytest.importorskip("nbkit.trainer")
-    from nbkit.config import FastSFTConfig
-
-    torch.set_num_threads(2)
-    model, tok, ds = _tiny_sft_parts()
-    out = io.StringIO()
-    args = FastSFTConfig(**_sft_args(tmp_path, max_steps=3), live_dashboard=True)
-    trainer = trainer_mod.FastSFT(model=model, args=args, train_dataset=ds, processing_class=tok)
-    boards = [c for c in trainer.callback_handler.callbacks if isinstance(c, LiveDashboard)]
-    assert len(boards) == 1 and not any(isinstance(c, ProgressCallback) for c in trainer.callback_handler.callbacks)
-    boards[0].mode, boards[0].stream = "text", out
-    trainer.train()
-    assert boards[0].summary.step == 3 and boards[0].summary.tokens > 0
-    assert "training finished: 3/3" in out.getvalue()
+def test_an_epoch_bound_run_shows_the_epoch_of_its_total():
+    shown = _at_epoch(max_steps_arg=-1, step_no=60, epoch=2.0, max_steps=90, num_epochs=3)
+    assert "step 60/90 67% | epoch 2.00/3" in shown and "epochs of data" not in shown
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# a real notebook kernel
+# cost per step
 
 
-NOTEBOOK_CELL = r"""
-import io, types, torch
-from transformers import TrainerCallback, TrainerControl, TrainerState
-from nbkit.dashboard import LiveDashboard, MemoryReading, in_notebook, resolve_mode
-print("in_notebook", in_notebook(), "mode", resolve_mode("auto"))
-t = [0.0]
-d = LiveDashboard(clock=lambda: t[0], memory_reader=lambda: MemoryReading(gpu_name="Fake GPU", allocated=2**30,
-                  reserved=2**31, peak=2**31, total=2**33, host_used=2**30, host_total=2**32))
-args, control = types.SimpleNamespace(device=torch.device("cpu")), TrainerControl()
-state = TrainerState(max_steps=200, num_train_epochs=1)
-d.on_train_begin(args, state, control)
-for i in range(1, 201):
-    t[0] += 0.05
-    state.global_step, state.epoch = i, i / 200
-    d.on_step_end(args, state, control)
-    d.on_log(args, state, control, logs={"loss": 3.0 / i, "num_tokens": 64.0 * i, "learning_rate": 1e-4})
-d.on_train_end(args, state, control)
-print("renders", d.renders, "mode", d.active_mode)
-"""
+class CountingReader:
+    """A memory reader that counts its calls (each would be a few CUDA queries on a GPU)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.reading = fixed_memory()()
+
+    def __call__(self) -> MemoryReading:
+        self.calls += 1
+        return self.reading
 
 
-def test_in_a_real_kernel_the_widget_output_becomes_the_summary():
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    pytest.importorskip("ipykernel")
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(NOTEBOOK_CELL)]
-    root = str(__import__("pathlib").Path(__file__).resolve().parents[1])
-    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": root}}).execute()
-    outputs = nb.cells[0].outputs
-    printed = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
-    assert "in_notebook True mode widget" in printed and "mode widget" in printed.splitlines()[-1]
-    displays = [o for o in outputs if o.output_type == "display_data"]
-    assert len(displays) == 1  # one output for the whole run
-    data = displays[0]["data"]
-    assert "application/vnd.jupyter.widget-view+json" not in data  # replaced by the static summary
-    assert "training finished" in data["text/html"] and "step 200/200" in data["text/html"]
-    assert "12.8k tokens" in data["text/html"] and "1.28k mean" in data["text/html"] and "Fake GPU" in data["text/html"]
+def test_text_mode_to_a_log_reads_memory_only_for_the_lines_it_writes():
+    clock = FakeClock()
+    out, reader = io.StringIO(), CountingReader()
+    d = LiveDashboard(mode="text", clock=clock, memory_reader=reader, stream=out, text_interval=2.0)
+    run(d, clock, 1000, 1 / 128)  # 7.8 s at min_interval 0.5: lines due at 0, 2, 4 and 6 s only
+    live = [ln for ln in out.getvalue().splitlines() if ln.startswith("[nbkit] step")]
+    assert len(live) == 4 and d.renders == 4
+    assert reader.calls == len(live) + 1  # one reading per line written, one for the summary
+
+
+def test_steps_between_renders_read_no_memory(fake_display):
+    clock = FakeClock()
+    reader = CountingReader()
+    d = LiveDashboard(mode="html", clock=clock, memory_reader=reader)
+    state = begin(d, 1000)
+    for i in range(1, 1001):
+        step(d, state, clock, 0.01, {"loss": 1.0, "num_tokens": float(10 * i)})
+    assert 1 < d.renders <= 1 + 10 / 0.5 + 1
+    assert reader.calls == d.renders  # 2000 events, one reading per render
+    d.on_train_end(ARGS, state, TrainerControl())
+    assert reader.calls == d.renders + 1 and len(fake_display.handles[0].updates) == d.renders

@@ -8,8 +8,10 @@
 2. Each rank packs its own batch: its forwards carry their own ``cu_seqlens`` (built by the collator, never in the
    forward), consistent with its own tokens, and the two ranks' batches laid end to end are the 1-process batch.
 3. Every speedup attaches and runs on every rank: packed attention, MoE routing, offloaded checkpointing.
-4. The dashboard's numbers: TRL's ``num_tokens`` on rank 0 counts both ranks' tokens (so tokens/s is the job's);
-   ``nbkit.distributed.RankMemoryCallback`` gathers every rank's memory at each log, on every rank.
+4. The dashboard, attached on every rank as ``FastSFT`` attaches it: TRL's ``num_tokens`` on rank 0 counts both
+   ranks' tokens, so rank 0's tokens/s is the job's (shown as "all 2 ranks", not multiplied again); the
+   ``nbkit.distributed.RankMemoryCallback`` that ``attach`` adds gathers every rank's memory at each log, on every
+   rank, and rank 0's summary shows those rows; rank 1 shows nothing. One process gets no such callback.
 5. FSDP2 (torch ``fully_shard``; accelerate 1.15 does not shard on CPUs) with the three speedups, launched by
    ``accelerate.notebook_launcher`` as a notebook would: each rank's loss equals the unsharded plain model's on
    that rank's batch, and the averaged sharded gradients equal the plain model's to ``FSDP_GRAD_RTOL``.
@@ -186,10 +188,24 @@ def test_dashboard_sees_all_ranks(runs):
     assert logged == [float(sum(tokens_per_step[: s + 1])) for s in range(STEPS)]  # both ranks' tokens
     for rec in two:
         assert rec["rank_memory_gathers"] == STEPS + 1  # each step's log and the end-of-training log
+        assert rec["rank_memory_from_dashboard"] and rec["rank_memory_callbacks"] == 1  # attach wired it, once
         mem = rec["rank_memory"]
         assert [m["rank"] for m in mem] == [0, 1]
         assert all(m["host_rss"] and m["host_rss"] > 0 and m["allocated"] is None for m in mem)  # CPU: no VRAM
     assert two[0]["rank_memory"] == two[1]["rank_memory"]  # an all-gather: every rank holds every rank's row
+
+    board = two[0]["dashboard"]  # rank 0's end-of-run summary
+    assert board["step"] == STEPS and board["world_size"] == 2
+    assert board["tokens"] == logged[-1] == sum(tokens_per_step)  # both ranks' tokens, counted once
+    assert board["ranks"] == two[0]["rank_memory"]  # the last gather's rows
+    text = two[0]["dashboard_text"]
+    assert f"[nbkit] training finished: {STEPS}/{STEPS} steps" in text and "tok/s mean, all 2 ranks" in text
+    assert "  rank 0: no CUDA, RSS " in text and "  rank 1: no CUDA, RSS " in text
+    assert "| RSS r0 " in text  # the live line: every rank's resident set
+    assert two[1]["dashboard"] is None and two[1]["dashboard_text"] == ""  # only rank 0 shows anything
+    one = runs["one"]
+    assert not one["rank_memory_from_dashboard"] and one["dashboard"]["world_size"] == 1
+    assert one["dashboard"]["ranks"] == [] and "rank 0:" not in one["dashboard_text"]
 
 
 @pytest.mark.slow
@@ -270,6 +286,10 @@ def test_two_gpus_train_like_one(doc_configs, tmp_path):
             assert rec["attached"] == one["attached"], (run, rec["attached"])
             assert [m["rank"] for m in rec["rank_memory"]] == [0, 1]
             assert all(m["peak"] and m["peak"] > 0 for m in rec["rank_memory"])
+            assert rec["rank_memory_from_dashboard"]
+        board = recs[0]["dashboard"]  # rank 0 shows each GPU's peak
+        assert board["ranks"] == recs[0]["rank_memory"] and all(m["total"] > 0 for m in board["ranks"])
+        assert "VRAM alloc/peak r0 " in recs[0]["dashboard_text"] and " r1 " in recs[0]["dashboard_text"]
         got = torch.tensor([h["loss"] for h in _train_logs(recs[0])], dtype=torch.float64)
         torch.testing.assert_close(got, ref, rtol=rtol, atol=0, msg=run)
         print(run, "peak bytes per GPU:", [m["peak"] for m in recs[0]["rank_memory"]])

@@ -157,6 +157,93 @@ def test_eval_dataset_is_named(tokenizer):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# rows with nothing to learn
+
+
+def test_empty_text_rows_are_named_and_an_all_empty_dataset_is_an_error(tokenizer, caplog):
+    rows = [{"text": "red fox"}, {"text": ""}, {"text": "blue sky"}, {"text": "   "}]
+    with caplog.at_level(logging.WARNING, logger="nbkit.reliability.guards"):
+        check(Dataset.from_list(rows), tokenizer)
+    assert "2 of 4 rows of train_dataset have an empty 'text' (rows 1, 3)" in caplog.text
+    assert "train_dataset.filter(" in caplog.text
+    with pytest.raises(InputError, match=r"every row of train_dataset has an empty 'text': there is nothing to "
+                                         r"train on \(the loss would be 0"):
+        check(Dataset.from_dict({"text": ["", "", " "]}), tokenizer)
+    empty = [{"text": ""}] * 3
+    with pytest.raises(InputError, match="each of the first 3 rows of train_dataset has an empty 'text'"):
+        check(IterableDataset.from_generator(lambda: iter(empty)), tokenizer)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nbkit.reliability.guards"):
+        check(make_dataset("text", n=8), tokenizer)  # nothing empty: nothing said
+    assert "empty" not in caplog.text
+
+
+def test_empty_answers_are_named_when_only_answers_train(tokenizer, caplog):
+    rows = [{"messages": chat(("user", "q"), ("assistant", "a"))},
+            {"messages": chat(("user", "q"), ("assistant", ""))},
+            {"messages": chat(("user", "q"), ("assistant", "a"), ("user", "q2"), ("assistant", " "))}]  # one answer
+    with caplog.at_level(logging.WARNING, logger="nbkit.reliability.guards"):
+        check(Dataset.from_list(rows), tokenizer, cfg(assistant_only_loss=True))
+    assert "1 of 3 rows of train_dataset have only empty assistant turns (row 1)" in caplog.text
+    assert "answer with nothing" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nbkit.reliability.guards"):
+        check(Dataset.from_list(rows), tokenizer, cfg())  # every token trains: an empty answer is one of them
+    assert "empty" not in caplog.text
+    silent = [{"messages": chat(("user", "q"), ("assistant", ""))}] * 2
+    with pytest.raises(InputError, match="every row of train_dataset has only empty assistant turns"):
+        check(Dataset.from_list(silent), tokenizer, cfg(assistant_only_loss=True))
+    caplog.clear()
+    pc = [{"prompt": "q", "completion": " a"}, {"prompt": "q", "completion": ""}]
+    with caplog.at_level(logging.WARNING, logger="nbkit.reliability.guards"):
+        check(Dataset.from_list(pc), tokenizer)
+    assert "1 of 2 rows of train_dataset have an empty completion (row 1)" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ShareGPT
+
+
+def sharegpt(*turns: tuple[str, str]) -> list[dict]:
+    return [{"from": role, "value": text} for role, text in turns]
+
+
+def test_sharegpt_chats_are_refused_with_the_converter_named(tokenizer):
+    rows = [{"conversations": sharegpt(("human", "q"), ("gpt", "a"))} for _ in range(3)]
+    for args in (cfg(), cfg(assistant_only_loss=True)):
+        with pytest.raises(InputError, match=r"ShareGPT roles \['gpt', 'human'\] in rows 0, 1, 2.*"
+                                             r"from nbkit.reliability import from_sharegpt; train_dataset = "
+                                             r"from_sharegpt\(train_dataset\)"):
+            check(Dataset.from_list(rows), tokenizer, args)
+    keys = [{"messages": sharegpt(("user", "q"), ("assistant", "a"))}]  # from/value keys TRL does not convert here
+    with pytest.raises(InputError, match=r"ShareGPT keys 'from'/'value' in a 'messages' column.*row 0"):
+        check(Dataset.from_list(keys), tokenizer)
+    named = [{"conversations": chat(("user", "q"), ("assistant", "a"))}]  # TRL reads role/content from 'messages'
+    with pytest.raises(InputError, match=r"'role'/'content' messages in a 'conversations' column"):
+        check(Dataset.from_list(named), tokenizer)
+    standard = [{"conversations": sharegpt(("user", "q"), ("assistant", "a"))}]  # TRL converts this one itself
+    check(Dataset.from_list(standard), tokenizer, cfg(assistant_only_loss=True))
+
+
+def test_from_sharegpt_gives_trls_messages_that_pass_and_mask_the_answers(tokenizer):
+    from nbkit.reliability import from_sharegpt
+    from nbkit.reliability.guards import from_sharegpt as same
+
+    assert same is from_sharegpt
+    rows = [{"conversations": sharegpt(("system", "s"), ("human", "q"), ("gpt", "a")), "id": 7}]
+    for data in (Dataset.from_list(rows), IterableDataset.from_generator(lambda: iter(rows))):
+        converted = from_sharegpt(data)
+        first = next(iter(converted))
+        assert first["messages"] == chat(("system", "s"), ("user", "q"), ("assistant", "a"))
+        assert "conversations" not in first and first["id"] == 7
+        assert check(converted, tokenizer, cfg(assistant_only_loss=True)).kind == "messages"
+    out = tokenizer.apply_chat_template(first["messages"], return_dict=True, return_assistant_tokens_mask=True)
+    assert sum(out["assistant_masks"]) > 0  # the chat template now finds the answer
+    in_messages = from_sharegpt(Dataset.from_list([{"messages": sharegpt(("human", "q"), ("gpt", "a"))}]))
+    assert in_messages[0]["messages"] == chat(("user", "q"), ("assistant", "a"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # settings
 
 

@@ -1,8 +1,10 @@
-"""CPU parity tests for nbkit.speedups.moe (fp32): nbkit's experts path equals transformers' eager experts.
+"""CPU tests of the speedup nbkit.speedups.moe (fp32): nbkit's experts path equals transformers' eager experts.
 
-Each test compares outputs and gradients (inputs, router, expert weights and biases, LoRA A/B) with the plain
+Each parity test compares outputs and gradients (inputs, router, expert weights and biases, LoRA A/B) with the plain
 path at fp32 tolerance (rtol 1e-4, atol 1e-5); both routing backends ("loop": contiguous slices, "grouped":
-torch's grouped_mm, which also runs on CPU) are exercised.
+torch's grouped_mm, which also runs on CPU) are exercised. The other tests hold attach/detach to the ledger
+contract. The ops themselves are checked against their references in tests/ops/test_moe_routing.py and
+tests/ops/test_moe_gates.py.
 """
 
 from __future__ import annotations
@@ -35,19 +37,19 @@ from nbkit.speedups.moe import FastMoERouting
 torch.set_num_threads(min(2, torch.get_num_threads()))
 FAMILIES = ["gpt_oss", "qwen3_moe", "mixtral"]
 TOL = dict(rtol=1e-4, atol=1e-5)
-E, H, I = 8, 16, 24
+E, H, INTER = 8, 16, 24
 
 
 def _config(family: str, top_k: int = 2, layers: int = 2):
     common = dict(vocab_size=64, hidden_size=H, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, num_experts_per_tok=top_k, attn_implementation="eager")
     if family == "gpt_oss":
-        return GptOssConfig(intermediate_size=I, num_local_experts=E, **common,
+        return GptOssConfig(intermediate_size=INTER, num_local_experts=E, **common,
                             layer_types=["sliding_attention", "full_attention"] * (layers // 2))
     if family == "qwen3_moe":
-        return Qwen3MoeConfig(intermediate_size=32, moe_intermediate_size=I, num_experts=E, decoder_sparse_step=1,
+        return Qwen3MoeConfig(intermediate_size=32, moe_intermediate_size=INTER, num_experts=E, decoder_sparse_step=1,
                               mlp_only_layers=[], **common)
-    return MixtralConfig(intermediate_size=I, num_local_experts=E, **common)
+    return MixtralConfig(intermediate_size=INTER, num_local_experts=E, **common)
 
 
 def _model(family: str, top_k: int = 2):
@@ -142,8 +144,8 @@ class _UpDownExperts(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.num_experts = E
-        self.up_proj = nn.Parameter(torch.randn(E, I, H) * 0.3)
-        self.down_proj = nn.Parameter(torch.randn(E, H, I) * 0.3)
+        self.up_proj = nn.Parameter(torch.randn(E, INTER, H) * 0.3)
+        self.down_proj = nn.Parameter(torch.randn(E, H, INTER) * 0.3)
         self.act_fn = nn.GELU()
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
@@ -174,7 +176,7 @@ def test_generic_gate_families(kind, backend):
 
         torch.manual_seed(0)
         experts = use_experts_implementation(has_gate=False)(type("UpDown", (_UpDownExperts,), {}))(PretrainedConfig())
-    assert moe._act_kind(experts) == "generic"
+    assert moe._gate_kind(experts) == "generic"
     x = torch.randn(13, H, requires_grad=True)
     logits = torch.randn(13, E, requires_grad=True)
     ref = _run_experts(experts, "eager", x, logits, 2)
@@ -264,7 +266,7 @@ def test_lora_on_experts_matches_peft(family, backend, monkeypatch):
     fm = FastMoERouting(backend=backend)
     assert fm.attach(peft_model)
     try:
-        assert len(fm._bypassed) == 2
+        assert fm.lora_bypassed == 2
         counter.calls = 0
         got = _loss_and_grads(peft_model, ids)
         assert counter.calls == 0  # nbkit never forms W + BA
@@ -309,13 +311,15 @@ def test_lora_on_a_bias_stays_on_peft(caplog):
     with caplog.at_level(logging.WARNING, logger="nbkit.speedups.moe"):
         assert fm.attach(peft_model)
     try:
-        assert not fm._bypassed and len(caplog.records) == 1 and "down_proj_bias" in caplog.text
+        assert fm.lora_bypassed == 0 and len(caplog.records) == 1 and "down_proj_bias" in caplog.text
         _assert_model_same(ref, _loss_and_grads(peft_model, ids))
     finally:
         fm.detach()
 
 
 def test_attach_detach_restores_everything():
+    """Attach twice, a second object on top (detached first: last in, first out), detach twice: the implementation,
+    every module's own attributes and the logits are as before."""
     peft_model = _peft_model("gpt_oss")
     base = peft_model.get_base_model()
     before = base.get_experts_implementation()
@@ -326,8 +330,11 @@ def test_attach_detach_restores_everything():
     assert fm.attach(peft_model)  # attaching again is safe (detaches first)
     assert base.get_experts_implementation() == {"": "nbkit"}
     assert ALL_EXPERTS_FUNCTIONS["nbkit"] is moe.nbkit_experts_forward
-    FastMoERouting().attach(peft_model.get_base_model())  # a second object: registration is idempotent
+    other = FastMoERouting()
+    assert other.attach(peft_model.get_base_model())  # a second object: registration is idempotent
     assert ALL_EXPERTS_FUNCTIONS["nbkit"] is moe.nbkit_experts_forward
+    other.detach()
+    assert base.get_experts_implementation() == {"": "nbkit"} and fm.lora_bypassed == 2  # the first one is intact
     fm.detach()
     fm.detach()  # twice is safe
     assert base.get_experts_implementation() == before
@@ -379,7 +386,8 @@ _TRITON_SCRIPT = textwrap.dedent(
 
 
 def test_triton_kernels_match_torch_interpreted():
-    """The fused Triton kernels (gate fwd/bwd, gather-sum, combine backward) equal the torch implementation.
+    """The experts forward and backward with the Triton kernels (gate fwd/bwd, gather-sum, combine backward) equal
+    the same path with the torch kernels, fp32 (TOL).
 
     Runs under TRITON_INTERPRET=1 in a subprocess: the interpreter must be on before triton is imported.
     """
@@ -391,243 +399,48 @@ def test_triton_kernels_match_torch_interpreted():
     assert proc.returncode == 0 and "TRITON_OK" in proc.stdout, proc.stderr[-3000:]
 
 
-class _Holder(nn.Module):
-    """A bare experts module under the attribute PEFT's ``target_parameters`` patterns name."""
-
-    def __init__(self, experts):
-        super().__init__()
-        self.experts = experts
-
-
-def _wide_experts(family: str, hidden: int = 80, inter: int = 136, experts: int = 8, limit: float = 1.0):
-    """Experts wider than one kernel tile: several row tiles, column chunks and splits in the fused LoRA kernels."""
-    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
-    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
-    torch.manual_seed(0)
-    if family == "gpt_oss":
-        m = GptOssExperts(GptOssConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts))
-        m.limit = limit  # 1.0: crosses the clamps
-    elif family == "qwen3_moe":
-        m = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts))
-    else:
-        m = MixtralExperts(MixtralConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts))
-    for p in m.parameters():
-        nn.init.normal_(p, std=hidden ** -0.5)
-    return m
-
-
-def _assert_same_scaled(ref, got):
-    """Like ``_assert_same`` with the absolute tolerance scaled to each tensor's largest magnitude (these wide
-    experts reach values in the hundreds, where fp32 rounding alone exceeds a fixed 1e-5)."""
-    for a, b in zip((got[0], *got[1]), (ref[0], *ref[1])):
-        torch.testing.assert_close(a, b, rtol=TOL["rtol"], atol=TOL["atol"] * max(1.0, b.abs().max().item()))
-
-
-def _lora_experts_grads(family, r, targets, impl, nbkit=None, top_k=4, tokens=72, index=None, dtype=torch.float32,
-                        lora_std=0.3, limit=1.0):
-    """Out and grads (hidden, router logits, every LoRA factor) of a PEFT-LoRA experts module in ``dtype``."""
-    from peft import LoraConfig, inject_adapter_in_model
-
-    moe.register()
-    experts = _wide_experts(family, limit=limit)
-    up = "gate_up_proj"
-    names = {"up": [f"experts.{up}"], "down": ["experts.down_proj"], "both": [f"experts.{up}", "experts.down_proj"]}
-    holder = inject_adapter_in_model(LoraConfig(r=r, lora_alpha=2 * r, target_parameters=names[targets]),
-                                     _Holder(experts))
-    torch.manual_seed(1)
-    for n, p in holder.named_parameters():
-        p.requires_grad_("lora_" in n)
-        if "lora_" in n:
-            nn.init.normal_(p, std=lora_std)
-    holder = holder.to(dtype)
-    torch.manual_seed(2)
-    x = torch.randn(tokens, experts.config.hidden_size, dtype=dtype, requires_grad=True)
-    logits = torch.randn(tokens, experts.num_experts, dtype=dtype, requires_grad=True)
-    index = logits.topk(top_k, dim=-1).indices if index is None else index
-    fm = FastMoERouting(**nbkit) if nbkit is not None else None
-    if fm is None:
-        experts.config._experts_implementation = impl
-    else:
-        assert fm.attach(holder) and fm._bypassed
-        assert experts._nbkit_moe_plan.lora_kern is not None
-    try:
-        out = holder.experts(x, index, logits.gather(1, index).softmax(-1))
-        probe = torch.linspace(-1, 1, out.numel()).view_as(out)
-        lora = [p for n, p in holder.named_parameters() if "lora_" in n]
-        grads = torch.autograd.grad((out * probe.to(dtype)).sum(), [x, logits, *lora])
-    finally:
-        if fm is not None:
-            fm.detach()
-    return out.float(), [g.float() for g in grads]
-
-
-_LORA_TRITON_SCRIPT = textwrap.dedent(
-    """
-    import torch
-    from tests.test_moe import (_lora_experts_grads, _peft_model, _loss_and_grads, _assert_model_same,
-                                _assert_same_scaled, FastMoERouting)
-    # experts level, wider than one tile: ranks 3 and 20 (rank blocks 16 and 32), LoRA on one or both tensors,
-    # empty experts inside a tile's expert range, one expert for every token
-    pool = torch.tensor([0, 2, 3, 7])
-    few = torch.stack([pool[torch.randperm(4, generator=torch.Generator().manual_seed(t))] for t in range(72)])
-    # an expert whose only row is the last row of a 64-row tile (the tile's expert range must include it)
-    edge = torch.tensor([0] * 63 + [1] + [2] * 36)[torch.randperm(100, generator=torch.Generator().manual_seed(0))]
-    cases = [("gpt_oss", 3, "both", 4, None, "grouped"), ("qwen3_moe", 20, "up", 2, None, "loop"),
-             ("mixtral", 8, "down", 4, few, "grouped"), ("gpt_oss", 16, "both", 1, torch.full((72, 1), 5), "loop"),
-             ("qwen3_moe", 16, "both", 1, edge[:, None], "grouped")]
-    for family, r, targets, top_k, index, backend in cases:
-        kw = dict(top_k=top_k, index=index, tokens=72 if index is None else index.shape[0])
-        ref = _lora_experts_grads(family, r, targets, "eager", **kw)
-        nb = dict(backend=backend, kernels="triton", lora="fused")
-        _assert_same_scaled(ref, _lora_experts_grads(family, r, targets, None, nb, **kw))
-    # half precision (fp16: the interpreter's bf16 dot is wrong, fp16 takes the same non-fp32 code path): the fused
-    # path's error against fp32 is no worse than PEFT's own half-precision path (the GPU tests' criterion), with
-    # LoRA deltas of a realistic size and gpt-oss's own clamp (rounding flips at a clamp make any fp16 metric noise)
-    for family in ("gpt_oss",):
-        kw = dict(lora_std=0.05, limit=7.0)
-        ref = _lora_experts_grads(family, 16, "both", "eager", **kw)
-        half = _lora_experts_grads(family, 16, "both", "eager", dtype=torch.float16, **kw)
-        nb = dict(backend="loop", kernels="triton", lora="fused")
-        got = _lora_experts_grads(family, 16, "both", None, nb, dtype=torch.float16, **kw)
-        for g, h, r in zip((got[0], *got[1]), (half[0], *half[1]), (ref[0], *ref[1])):
-            err, base = ((g - r).norm() / r.norm()).item(), ((h - r).norm() / r.norm()).item()
-            assert err < 5e-2 and err <= 1.5 * base + 2e-3, (family, err, base)
-    # whole models through the PEFT bypass: loss and every trainable gradient
-    for family, backend in (("gpt_oss", "grouped"), ("qwen3_moe", "loop")):
-        peft_model = _peft_model(family)
-        ids = torch.randint(0, 64, (2, 10))
-        peft_model.get_base_model().set_experts_implementation("eager")
-        ref = _loss_and_grads(peft_model, ids)
-        fm = FastMoERouting(backend=backend, kernels="triton", lora="fused")
-        assert fm.attach(peft_model)
-        try:
-            _assert_model_same(ref, _loss_and_grads(peft_model, ids))
-        finally:
-            fm.detach()
-    print("LORA_TRITON_OK")
-    """
-)
-
-
-def test_fused_lora_kernels_match_peft_interpreted():
-    """The fused LoRA path (dispatch + x A^T, gate with u B^T and h A^T, in-place expands, gate backward with both
-    LoRA terms) equals PEFT's own parametrization path, fp32 (TOL; wide-expert cases: atol scaled to each tensor's
-    largest value): outputs, grads of hidden, router logits and every LoRA factor. Shapes span several row tiles,
-    column chunks and split partial sums; ranks 3 and 20 exercise the masked rank blocks; LoRA on one tensor only;
-    empty experts, a single expert, an expert alone on a tile's last row; fp16 no less accurate than PEFT's fp16.
-    Interpreted (TRITON_INTERPRET=1).
-    """
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="2", PYTHONPATH=root)
-    proc = subprocess.run([sys.executable, "-c", _LORA_TRITON_SCRIPT], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0 and "LORA_TRITON_OK" in proc.stdout, proc.stderr[-3000:]
-
-
-def test_lora_switch_and_fallbacks():
-    """``lora=`` selects the path: "unfused" never plans the fused kernels, "auto" leaves them off (measured
-    slower), generic gates stay unfused, and a bad value is refused."""
-    experts = _experts("qwen3_moe", 2)
-    assert moe._make_plan(experts, torch.device("cpu"), torch.float32, "loop", "torch", "auto").lora_kern is None
-    assert moe._make_plan(experts, torch.device("cpu"), torch.float32, "loop", "triton", "unfused").lora_kern is None
-    assert moe._make_plan(_gelu_experts(), torch.device("cpu"), torch.float32, "loop", "triton", "fused").lora_kern \
-        is None
-    # "auto" means unfused (measured faster on the H200); "fused" asks for the kernels
-    assert moe._make_plan(experts, torch.device("cpu"), torch.float32, "loop", "triton", "auto").lora_kern is None
-    if moe.triton is not None:
-        assert moe._make_plan(experts, torch.device("cpu"), torch.float32, "loop", "triton", "fused").lora_kern \
-            is not None
+def test_bad_options_are_refused():
     with pytest.raises(ValueError):
-        FastMoERouting(lora="yes")
+        FastMoERouting(backend="yes")
+    with pytest.raises(ValueError):
+        FastMoERouting(kernels="yes")
 
 
-def test_splits_fill_the_gpu():
-    """Column splits: powers of two, only when the row tiles are too few, never more than the chunks."""
-    dev = torch.device("cpu")  # counts as 4 SMs
-    assert moe._splits(1000, 45, dev) == (1, 45)
-    splits, per = moe._splits(3, 45, dev)
-    assert splits * per >= 45 and (splits - 1) * per < 45 and splits > 1
-    assert moe._splits(1, 3, dev)[0] <= 3
+def test_every_change_goes_through_the_ledger_and_detach_empties_it():
+    """attach records the implementation switch, one plan per experts module and one forward per PEFT wrapper
+    chain, and nothing else; detach undoes all of it."""
+    peft_model = _peft_model("qwen3_moe")
+    fm = FastMoERouting()
+    assert fm.attach(peft_model)
+    entries = fm._ledger.entries()
+    layers = peft_model.get_base_model().config.num_hidden_layers
+    assert entries[0] == "set_experts_implementation"
+    assert entries.count("set Qwen3MoeExperts._nbkit_moe_plan") == layers
+    assert entries.count("set ParamWrapper.forward") == layers == fm.lora_bypassed
+    assert len(entries) == 1 + 2 * layers
+    fm.detach()
+    assert len(fm._ledger) == 0 and fm.lora_bypassed == 0
 
 
-def test_triton_kernels_compile_for_h100_class_gpus(tmp_path, monkeypatch):
-    """Each fused kernel compiles to a cubin for sm_90 (the H200), without a GPU: catches compile-only errors."""
-    triton = pytest.importorskip("triton")
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError:
-        pytest.skip("this triton has no ASTSource/GPUTarget")
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    k = moe._kernels()
-    ptrs = lambda names, t: {n: t for n in names}  # noqa: E731
-    cases = [
-        (k.act_fwd, {**ptrs(["gu_ptr", "bias_ptr"], "*bf16"), "eid_ptr": "*i64", "h_ptr": "*bf16", "n_cols": "i32",
-                     "alpha": "fp32", "limit": "fp32"}, {"GPTOSS": True, "HAS_BIAS": True, "BLOCK": 1024}),
-        (k.act_bwd, {**ptrs(["gu_ptr", "bias_ptr"], "*bf16"), "eid_ptr": "*i64", **ptrs(["gh_ptr", "dgu_ptr"], "*bf16"),
-                     "n_cols": "i32", "alpha": "fp32", "limit": "fp32"}, {"GPTOSS": False, "HAS_BIAS": True,
-                                                                          "BLOCK": 1024}),
-        (k.unsort_sum, {"y_ptr": "*bf16", "inv_ptr": "*i64", **ptrs(["w_ptr", "bias_ptr"], "*bf16"), "eid_ptr": "*i64",
-                        "out_ptr": "*bf16", "n_cols": "i32"}, {"K": 4, "HAS_W": True, "HAS_BIAS": True, "BLOCK": 1024}),
-        (k.combine_bwd, {**ptrs(["g_ptr", "y_ptr"], "*bf16"), "tok_ptr": "*i64",
-                         **ptrs(["ws_ptr", "bias_ptr"], "*bf16"), "eid_ptr": "*i64", "gy_ptr": "*bf16",
-                         "gw_ptr": "*fp32"},
-         {"n_cols": 2880, "HAS_BIAS": True, "NEED_GW": True, "BLOCK": 1024}),
-    ]
-    for fn, sig, consts in cases:
-        sig = {**sig, **{name: "constexpr" for name in consts}}
-        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
-        assert compiled.asm.get("cubin"), fn
+def test_a_model_whose_implementation_cannot_switch_stays_as_found(monkeypatch, caplog):
+    """When transformers refuses the switch (e.g. a load-time-only implementation), attach says so once and
+    leaves the model, its config and its experts modules as found."""
+    model = _model("mixtral")
+    before = model.get_experts_implementation()
+    original = model.set_experts_implementation
 
+    def refuse(impl):
+        if impl == "nbkit":
+            raise RuntimeError("a load-time choice")
+        original(impl)
 
-def test_fused_lora_kernels_compile_for_h100_without_spills(tmp_path, monkeypatch):
-    """Each fused LoRA kernel, at the tiling ``_LORA_TILES`` launches it with, compiles for sm_90 (bf16, gpt-oss's
-    gate with bias and both LoRA terms: the largest variant) and, by ``ptxas -v``, keeps its tiles in registers
-    (no spill stores): the tiling was chosen for that, and a change that spills would slow every step."""
-    triton = pytest.importorskip("triton")
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError:
-        pytest.skip("this triton has no ASTSource/GPUTarget")
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    lk = moe._lora_kernels()
-    scalars = lambda names, t: {n: t for n in names}  # noqa: E731
-    act = {**scalars(["gu_ptr", "uu_ptr", "bu_ptr", "bias_ptr"], "*bf16"), "e_ptr": "*i64"}
-    flags = dict(GPTOSS=True, HAS_BIAS=True, HAS_UP=True, HAS_DOWN=True, IEEE=False, BRU=16, BRD=16, PER=23)
-    cases = {
-        "shrink": (lk.shrink, {"x_ptr": "*bf16", "idx_ptr": "*i64", **scalars(["xs_ptr", "w_ptr"], "*bf16"),
-                               "e_ptr": "*i64", "part_ptr": "*fp32",
-                               **scalars(["S", "N", "R", "stride_x", "sw_e", "sw_r", "sw_n"], "i32"), "scale": "fp32"},
-                   dict(GATHER=True, STORE_X=True, IEEE=False, BR=16, PER=23)),
-        "expand": (lk.expand, {**scalars(["y_ptr", "u_ptr", "w_ptr"], "*bf16"), "e_ptr": "*i64",
-                               **scalars(["S", "N", "R", "stride_y", "stride_u", "sw_e", "sw_n", "sw_r"], "i32"),
-                               "scale": "fp32"}, dict(IEEE=False, BR=16)),
-        "act_fwd": (lk.act_fwd, {**act, **scalars(["ad_ptr", "h_ptr"], "*bf16"), "part_ptr": "*fp32",
-                                 **scalars(["S", "I", "RU", "RD"], "i32"), **scalars(["scale_up", "alpha", "limit"],
-                                                                                     "fp32")}, flags),
-        "act_bwd": (lk.act_bwd, {**act, **scalars(["gh_ptr", "dud_ptr", "ad_ptr", "dgu_ptr"], "*bf16"),
-                                 "part_ptr": "*fp32", **scalars(["S", "I", "RU", "RD"], "i32"),
-                                 **scalars(["scale_up", "alpha", "limit"], "fp32")}, flags),
-    }
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    for name, (fn, sig, consts) in cases.items():
-        bm, bn, warps = moe._LORA_TILES[name]
-        consts = {**consts, "BM": bm, "BN": bn}
-        sig = {**sig, **{c: "constexpr" for c in consts}}
-        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": warps})
-        assert compiled.asm.get("cubin"), name
-        if os.access(ptxas, os.X_OK):
-            ptx = tmp_path / f"{name}.ptx"
-            ptx.write_text(compiled.asm["ptx"])
-            proc = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(ptx), "-o", os.devnull],
-                                  capture_output=True, text=True)
-            assert proc.returncode == 0, proc.stderr[-2000:]
-            assert " 0 bytes spill stores" in proc.stderr, f"{name} spills: {proc.stderr[-600:]}"
+    monkeypatch.setattr(model, "set_experts_implementation", refuse)
+    fm = FastMoERouting()
+    with caplog.at_level(logging.WARNING, logger="nbkit.speedups.moe"):
+        assert fm.attach(model) is False
+    assert "cannot switch" in caplog.text and len(caplog.records) == 1
+    assert model.get_experts_implementation() == before and len(fm._ledger) == 0
+    assert not any("_nbkit_moe_plan" in m.__dict__ for m in model.modules())
 
 
 def test_step_benchmark_tiny_losses(monkeypatch, caplog):

@@ -504,89 +504,6 @@ def test_aborted_backward_then_reset():
     assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
 
 
-# ------------------------------------------------------------------------------------- benchmark helpers (pure logic)
-
-
-def test_copy_overlap_from_a_synthetic_trace():
-    from benchmarks.offload import copy_overlap
-
-    def ev(cat, name, ts, dur, stream, nbytes=None):
-        args = {"stream": stream} | ({"bytes": nbytes} if nbytes is not None else {})
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
-
-    trace = {"traceEvents": [
-        ev("kernel", "gemm", 0, 100, 7),
-        ev("kernel", "gemm", 150, 100, 7),
-        ev("kernel", "gemm", 400, 100, 7),
-        ev("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 50, 100, 20, 64 * 2**20),  # 50 of 100 us under compute
-        ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 260, 40, 20, 64 * 2**20),  # none under compute
-        ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 410, 40, 20, 64 * 2**20),  # all under compute
-        ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 420, 20, 7, 64 * 2**20),  # on the compute stream: none
-        ev("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", 0, 5, 7, 4),  # tiny: ignored
-    ]}
-    out = copy_overlap(trace)
-    assert out["DtoH"]["count"] == 1 and out["DtoH"]["overlap"] == pytest.approx(0.5)
-    assert out["DtoH"]["gb_per_s"] == pytest.approx(64 * 2**20 / 100e3)
-    # per copy, only kernels on other streams count: the side-stream copy at 410 is covered by stream 7's kernel
-    assert out["HtoD"]["count"] == 3 and out["HtoD"]["overlap"] == pytest.approx(40 / 100)
-    assert out["HtoD"]["streams"] == [7, 20]
-
-
-def _search_on(peak, cap, prior, first=32768, res=8192):
-    """Drive the benchmark's next-try rule against a made-up GPU (``peak(tokens)`` GiB; fits while <= cap)."""
-    from benchmarks.offload import _next_try, _predict_max
-
-    probes, lo, hi = [], 0, None
-    pred = _predict_max(probes, cap, prior)
-    t = _next_try(0, None, res, pred) if pred is not None else first
-    while t is not None and len(probes) < 25:
-        ok = peak(t) <= cap
-        probes.append(dict(tokens=t, outcome="ok" if ok else "failed", peak_gib=peak(t) if ok else 0.0, host_short=0))
-        if ok:
-            lo = max(lo, t)
-        elif hi is None or t < hi:
-            hi = t
-        t = _next_try(lo, hi, res, _predict_max(probes, cap, prior))
-    return lo, hi, [(p["tokens"], p["outcome"]) for p in probes]
-
-
-def test_longest_search_converges():
-    """The search's rule: a right prior takes two tries, failure first; a wrong one or none still brackets the
-    limit (180,000 tokens here) to the 8K resolution in a few."""
-    peak = lambda t: 10 + 0.0005 * t  # noqa: E731
-    lo, hi, tries = _search_on(peak, 100.0, (100000, 60.0, 0.0005))
-    assert lo <= 180000 < hi and hi - lo <= 8192
-    assert tries == [(180224, "failed"), (172032, "ok")]
-    for prior in [(100000, 50.0, 0.0004), (50000, 80.0, 0.0008), None]:
-        lo, hi, tries = _search_on(peak, 100.0, prior)
-        assert lo <= 180000 < hi and hi - lo <= 8192 and len(tries) <= 7, (prior, tries)
-    lo, hi, tries = _search_on(lambda t: 200.0, 100.0, None)  # nothing fits
-    assert lo == 0 and tries[-1][0] <= 8192
-
-
-def test_longest_host_limits_and_failure_kinds():
-    from benchmarks.offload import GiB, _failure_kind, host_limit_tokens, host_need
-
-    assert host_need("ckpt_offload", 40, 204800, 5120) == 40 * 2**31  # torch rounds pinned blocks to powers of two
-    assert host_need("ckpt_offload", 40, 212992, 5120) == 40 * 2**32
-    assert host_need("nbkit_double", 40, 212992, 5120) == 40 * 212992 * 10240 and host_need("ckpt", 40, 8, 8) == 0
-    assert host_limit_tokens("ckpt_offload", 40, 5120, 100 * GiB) == 2**31 // 10240
-    assert host_limit_tokens("nbkit_double", 40, 5120, 100 * GiB) == 100 * GiB // (40 * 10240)
-    assert host_limit_tokens("ckpt", 40, 5120, 100 * GiB) is None
-
-    def pack_to_cpu():  # the name of save_on_cpu's pack hook: a pinned allocation failing there is the host's
-        raise RuntimeError("CUDA error: out of memory")
-
-    with pytest.raises(RuntimeError) as info:
-        pack_to_cpu()
-    assert _failure_kind(info.value) == "host RAM"
-    assert _failure_kind(RuntimeError("CUDA error: out of memory")) == "CUDA OOM"
-    assert _failure_kind(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")) == "CUDA OOM"
-    assert _failure_kind(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED")) == "CUDA OOM"
-    assert _failure_kind(RuntimeError("DefaultCPUAllocator: can't allocate memory")) == "host RAM"
-    assert _failure_kind(ValueError("shape mismatch")) is None
-
-
 def test_host_check_counts_and_reclaims_torch_pinned_cache(gc_model, monkeypatch):
     """Host room is MemAvailable plus torch's idle pinned blocks; the pool gives those back before it gives up."""
     import nbkit.ops.offload_lanes as off
@@ -618,40 +535,6 @@ def test_host_check_counts_and_reclaims_torch_pinned_cache(gc_model, monkeypatch
     assert_same(ref, step(gc_model))
     assert oc.stats.packs == 0 and oc.stats.host_short == LAYERS
     oc.detach()
-
-
-@pytest.mark.parametrize("probe", ["peak", "full", "time cap"])
-def test_longest_try_stops_past_the_peak(gc_model, probe):
-    """A 'peak' try runs the backward of the last layers only; 'full' all of it; a try past its deadline is cut."""
-    import argparse
-    import time
-
-    from benchmarks.offload import _probe
-
-    done = []
-    for i, layer in enumerate(gc_model.model.layers):
-        def mark(module, args, i=i):
-            if torch.is_grad_enabled() and args[0].requires_grad and not getattr(module, "_marked", False):
-                module._marked = True  # the forward's call only (the recompute calls it again)
-                args[0].register_hook(lambda g: done.append(i))
-        layer.register_forward_pre_hook(mark)
-    args = argparse.Namespace(longest_probe="full" if probe == "full" else "peak", longest_peak_layers=2)
-    deadline = time.monotonic() + (-1 if probe == "time cap" else 60)
-    r = _probe(gc_model, gc_model, "ckpt", 128, "cpu", None, args, deadline)
-    assert r["outcome"] == ("time cap" if probe == "time cap" else "ok") and r["kind"] is None
-    assert done == {"peak": [3, 2], "full": [3, 2, 1, 0], "time cap": []}[probe]
-    assert all(p.grad is None for p in gc_model.parameters())  # the try leaves nothing behind
-
-
-def test_packed_batch_is_like_trl_padding_free():
-    from benchmarks.offload import packed_batch
-
-    b = packed_batch(4096, 1000, "cpu")
-    pos, cu = b["position_ids"][0], b["cu_seq_lens_q"]
-    starts = (pos == 0).nonzero().flatten()
-    assert cu[0] == 0 and cu[-1] == 4096 and torch.equal(cu[:-1].long(), starts)
-    assert b["max_length_q"] == int(cu.diff().max()) and 300 <= int(cu.diff()[:-1].float().mean()) <= 500
-    assert (b["labels"][0][starts] == -100).all() and (b["labels"][0] != -100).sum() == 4096 - len(starts)
 
 
 def test_pool_grows_by_replacing_slots(gc_model):

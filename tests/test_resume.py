@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from nbkit import FastSFT, FastSFTConfig
-from nbkit.reliability.resilience import STAGING_PREFIX, checkpoint_problem, last_complete_checkpoint
+from nbkit.reliability.checkpoints import STAGING_PREFIX, checkpoint_problem, last_complete_checkpoint
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -59,7 +59,8 @@ def build(output_dir: str | os.PathLike, eval_dataset=None, **overrides) -> Fast
     )
     config.update(overrides)
     return FastSFT(model=model, args=FastSFTConfig(**config), train_dataset=make_dataset("messages", n=64),
-                   eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+                   eval_dataset=eval_dataset, processing_class=tokenizer,
+                   peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
 
 
 def losses(log_history: list[dict]) -> list[float]:

@@ -10,8 +10,19 @@ import shutil
 import sys
 from typing import Any, Optional, TextIO
 
-from .render import (header_html, loss_chart_svg, panel_html, progress_text, ram_text, ranks_html, stats_rows,
-                     summary_text, table_html, text_line, vram_text)
+from .render import (
+    header_html,
+    loss_chart_svg,
+    panel_html,
+    progress_text,
+    ram_text,
+    ranks_html,
+    stats_rows,
+    summary_text,
+    table_html,
+    text_line,
+    vram_text,
+)
 from .tracker import Snapshot
 
 

@@ -242,7 +242,7 @@ def _trainer_classes(baseline: bool):
 
 def resume_point(trainer_dir: Path) -> str | None:
     """The newest complete checkpoint under ``trainer_dir`` (None if none); incomplete ones are named and passed over."""
-    from nbkit.reliability.resilience import last_complete_checkpoint
+    from nbkit.reliability.checkpoints import last_complete_checkpoint
 
     skipped: list[tuple[str, str]] = []
     found = last_complete_checkpoint(trainer_dir, skipped)
@@ -254,7 +254,7 @@ def resume_point(trainer_dir: Path) -> str | None:
 def _clear_checkpoints(trainer_dir: Path) -> None:
     import shutil
 
-    from nbkit.reliability.resilience import list_checkpoints
+    from nbkit.reliability.checkpoints import list_checkpoints
 
     old = list_checkpoints(trainer_dir)
     if old:

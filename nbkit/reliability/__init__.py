@@ -1,2 +1,13 @@
-"""What happens when something goes wrong: input checks before training, out-of-memory and non-finite-loss
-handling at the step, atomic checkpoints and resume. None of it changes the numbers of a run that goes right."""
+"""What happens when something goes wrong. None of it changes the numbers of a run that goes right.
+
+- ``guards``: checks of datasets and settings before training (``InputError`` naming the row or the setting);
+  ``sharegpt``: ``from_sharegpt``, which turns ShareGPT chats into TRL's messages form (re-exported here).
+- ``oom``: out-of-memory errors that name the step, the memory and what to change.
+- ``nonfinite``: non-finite losses and batches with nothing to train on, named by their dataset rows.
+- ``checkpoints``: atomic saves, recovery after a kill, the newest complete checkpoint.
+- ``trainer_mixin``: ``ReliableTraining``, which wires all of it into ``FastSFT``.
+"""
+
+from .sharegpt import from_sharegpt
+
+__all__ = ["from_sharegpt"]

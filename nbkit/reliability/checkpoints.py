@@ -52,7 +52,7 @@ def _fsync_path(path: Path, directory: bool = False) -> None:
 def fsync_tree(root: str | os.PathLike) -> None:
     """Flush every file under ``root``, then the folders, so a rename publishes data that is on disk."""
     root = Path(root)
-    for folder, dirs, files in os.walk(root, topdown=False):
+    for folder, _dirs, files in os.walk(root, topdown=False):
         for name in files:
             _fsync_path(Path(folder) / name)
         _fsync_path(Path(folder), directory=True)

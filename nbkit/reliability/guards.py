@@ -15,12 +15,21 @@ Contract: ``validate_training_inputs`` (called by ``FastSFT`` before ``SFTTraine
   string content), naming the row index and the field;
 - a chat without an assistant turn under ``assistant_only_loss=True``, or a conversational completion without one
   when training on completions;
+- chats in ShareGPT form that TRL would pass on unconverted (roles ``human`` / ``gpt``, ``from``/``value`` keys
+  outside a ``conversations`` column), naming the rows and ``from_sharegpt``, which converts them;
+- rows with nothing to learn: an empty (or blank) text, an empty completion when training on completions, chats
+  whose assistant turns are all empty under ``assistant_only_loss=True``. Every checked row empty: an error (the
+  run would train to loss 0 with zero gradients); some: a warning naming them and how to drop them;
 - conversational data and a tokenizer without a chat template;
 - ``max_length`` shorter than the shortest document (every document would be cut: an error), or shorter than some
   documents (a warning naming the rows that will be cut and how to keep them), checked on up to ``LENGTH_SAMPLE``
   rows spread over the dataset;
-- switch combinations that cannot work together (packing with a custom collator, ``completion_only_loss=True``
-  without prompt/completion data, an attention kernel or offloading that could never be used).
+- switch combinations that cannot work together (the rules of ``nbkit.settings.combination_problem``: packing
+  with a custom collator, ``completion_only_loss=True`` without prompt/completion data, an attention kernel or
+  offloading that could never be used).
+
+A batch whose labels all end up masked anyway (e.g. an answer cut away by ``max_length``) is caught during training,
+by ``nbkit.reliability.trainer_mixin``.
 
 Every row of a ``Dataset`` is checked for structure (column-wise, in slices); an ``IterableDataset`` is checked on
 its first ``ITERABLE_ROWS`` rows (it cannot be read twice for free).
@@ -29,17 +38,23 @@ its first ``ITERABLE_ROWS`` rows (it cannot be read twice for free).
 from __future__ import annotations
 
 import logging
-
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
+
+from ..settings import combination_problem
+from .sharegpt import from_sharegpt, sharegpt_form
+
+__all__ = ["InputError", "DataFormat", "detect_format", "validate_training_inputs", "from_sharegpt"]
 
 ITERABLE_ROWS = 1000
 LENGTH_SAMPLE = 2000
 _SLICE = 1024
-_ASSISTANT_ROLES = {"assistant", "gpt", "model"}  # "gpt": ShareGPT data (TRL converts it), "model": Gemma style
+_ASSISTANT_ROLES = {"assistant", "model"}  # "model": Gemma style
+_SHOWN = 10  # rows named in a message
 
 
 logger = logging.getLogger(__name__)
+
 
 class InputError(ValueError):
     """A dataset or setting that cannot train as intended; the message names the row or the setting."""
@@ -70,6 +85,11 @@ def _describe(value: Any) -> str:
 
 def _arg(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default) if args is not None else default
+
+
+def _row_list(rows: Sequence[int]) -> str:
+    shown = ", ".join(str(r) for r in rows[:_SHOWN])
+    return f"{'row' if len(rows) == 1 else 'rows'} {shown}{', ...' if len(rows) > _SHOWN else ''}"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -191,9 +211,25 @@ def _chat_problem(chat: Any, *, needs_assistant: bool) -> str | None:
     return None
 
 
+def _blank(value: Any) -> bool:
+    """An empty answer: a blank string, or structured content whose text parts are all blank."""
+    if isinstance(value, str):
+        return not value.strip()
+    if isinstance(value, list):
+        return all(isinstance(p, dict) and not str(p.get("text") or "").strip() for p in value)
+    return value is None
+
+
+def _answers_blank(chat: list[dict[str, Any]]) -> bool:
+    """Every assistant turn of ``chat`` is empty (a turn that calls tools is not)."""
+    turns = [m for m in chat if m.get("role", m.get("from")) in _ASSISTANT_ROLES]
+    return bool(turns) and all(_blank(m.get("content", m.get("value"))) and not m.get("tool_calls") for m in turns)
+
+
 def check_rows(name: str, dataset: Any, fmt: DataFormat, args: Any = None,
                formatting_func: Callable | None = None) -> None:
-    """Structure and types of every row (the first ``ITERABLE_ROWS`` of an IterableDataset)."""
+    """Structure and types of every row (the first ``ITERABLE_ROWS`` of an IterableDataset), ShareGPT form, and
+    rows with nothing to learn."""
     limit = None if _is_map_style(dataset) else ITERABLE_ROWS
     assistant_only = bool(_arg(args, "assistant_only_loss", False))
     completion_only = _arg(args, "completion_only_loss", None) is not False
@@ -204,7 +240,11 @@ def check_rows(name: str, dataset: Any, fmt: DataFormat, args: Any = None,
                 raise InputError(f"formatting_func returned {_describe(out)} for {name} row {i}; it must return "
                                  "one string per row")
         return
+    sharegpt: dict[str, list[int]] = {}  # what TRL would not convert -> rows
+    blank: list[int] = []  # rows with nothing to learn
+    seen = 0
     for i, row in _rows(dataset, list(fmt.fields), limit=limit):
+        seen += 1
         where = f"{name} row {i}"
         if fmt.kind == "tokenized":
             ids = row["input_ids"]
@@ -215,22 +255,82 @@ def check_rows(name: str, dataset: Any, fmt: DataFormat, args: Any = None,
             value = row[fmt.fields[0]]
             if not isinstance(value, str):
                 raise InputError(f"{where}: '{fmt.fields[0]}' is {_describe(value)}; expected a string")
+            if not value.strip():
+                blank.append(i)
         elif fmt.kind == "messages":
-            problem = _chat_problem(row[fmt.fields[0]], needs_assistant=assistant_only)
+            chat = row[fmt.fields[0]]
+            form = sharegpt_form(fmt.fields[0], chat)
+            if form:
+                sharegpt.setdefault(form, []).append(i)
+                continue  # its roles and keys are checked again once converted
+            problem = _chat_problem(chat, needs_assistant=assistant_only)
             if problem:
                 hint = " (assistant_only_loss=True trains on assistant turns only)" if "assistant" in problem else ""
                 raise InputError(f"{where}: '{fmt.fields[0]}' {problem}{hint}")
+            if assistant_only and _answers_blank(chat):
+                blank.append(i)
         else:  # prompt_completion
             for key in ("prompt", "completion"):
                 value = row[key]
                 if fmt.conversational:
+                    form = sharegpt_form(key, value)
+                    if form:
+                        sharegpt.setdefault(form, []).append(i)
+                        continue
                     needs = key == "completion" and (completion_only or assistant_only)
                     problem = _chat_problem(value, needs_assistant=needs)
                     if problem:
                         hint = " (training on completions needs one)" if "assistant" in problem else ""
                         raise InputError(f"{where}: '{key}' {problem}{hint}")
+                    if needs and _answers_blank(value):
+                        blank.append(i)
                 elif not isinstance(value, str):
                     raise InputError(f"{where}: '{key}' is {_describe(value)}; expected a string")
+                elif key == "completion" and completion_only and not value.strip():
+                    blank.append(i)
+    if sharegpt:
+        _raise_sharegpt(name, sharegpt, seen)
+    if blank:
+        _report_blank(name, fmt, blank, seen, checked_all=limit is None)
+
+
+def _raise_sharegpt(name: str, found: dict[str, list[int]], seen: int) -> None:
+    parts = [f"{form} in {_row_list(rows)}" for form, rows in found.items()]
+    count = len({r for rows in found.values() for r in rows})
+    raise InputError(
+        f"{name} holds ShareGPT chats that TRL would pass on unconverted ({count} of {seen} checked rows: "
+        f"{'; '.join(parts)}): the chat template would render unknown roles or miss the content, and "
+        "assistant_only_loss=True would find no assistant turn. Convert them first: "
+        f"`from nbkit.reliability import from_sharegpt; {name} = from_sharegpt({name})` (human -> user, "
+        "gpt -> assistant, from/value -> role/content, a 'messages' column)"
+    )
+
+
+def _report_blank(name: str, fmt: DataFormat, rows: list[int], seen: int, checked_all: bool) -> None:
+    """Every checked row blank: ``InputError``; some: one warning naming them and how to drop them."""
+    field = fmt.fields[0]
+    if fmt.kind == "text":
+        what, harm = f"an empty '{field}'", "each trains on nothing but the end-of-text token"
+        keep = f"lambda row: row[{field!r}].strip() != ''"
+    elif fmt.kind == "messages":
+        what, harm = "only empty assistant turns", "each teaches the model to answer with nothing"
+        keep = (f"lambda row: any(m['content'].strip() for m in row[{field!r}] if m['role'] == 'assistant')")
+    elif fmt.conversational:
+        what, harm = "an empty completion", "each teaches the model to answer with nothing"
+        keep = "lambda row: any(m['content'].strip() for m in row['completion'] if m['role'] == 'assistant')"
+    else:
+        what, harm = "an empty completion", "each teaches the model to answer with nothing"
+        keep = "lambda row: row['completion'].strip() != ''"
+    if len(rows) == seen:
+        scope = "every row" if checked_all else f"each of the first {seen} rows"
+        raise InputError(
+            f"{scope} of {name} has {what}: there is nothing to train on (the loss would be 0, the gradients 0). "
+            f"Check which column holds the data (dataset_text_field for plain text) and what the preprocessing left "
+            "in it; validate_inputs=False skips this check"
+        )
+    scope = f"{len(rows)} of {seen} rows" if checked_all else f"{len(rows)} of the first {seen} rows"
+    logger.warning("nbkit: %s of %s have %s (%s): %s. Drop them before training: %s = %s.filter(%s)",
+                   scope, name, what, _row_list(rows), harm, name, name, keep)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -274,7 +374,8 @@ def check_max_length(name: str, dataset: Any, fmt: DataFormat, args: Any, tokeni
     max_length = _arg(args, "max_length")
     if max_length is None or tokenizer is None or fmt.kind == "formatted":
         return
-    if _arg(args, "packing", False) and _arg(args, "packing_strategy", "bfd") in ("bfd_split", "bfd-requeue", "wrapped"):
+    splitting = ("bfd_split", "bfd-requeue", "wrapped")
+    if _arg(args, "packing", False) and _arg(args, "packing_strategy", "bfd") in splitting:
         return  # these strategies split long documents instead of cutting them
     if _is_map_style(dataset):
         picks = _sample_indices(len(dataset), LENGTH_SAMPLE)
@@ -319,35 +420,10 @@ def check_max_length(name: str, dataset: Any, fmt: DataFormat, args: Any, tokeni
 # Settings
 # --------------------------------------------------------------------------------------------------------------------
 def check_settings(args: Any, *, custom_collator: bool, fmt: DataFormat | None = None) -> None:
-    """Switch combinations that cannot work together."""
-    if args is None:
-        return
-    packing, strategy = _arg(args, "packing", False), _arg(args, "packing_strategy", "bfd")
-    padding_free = _arg(args, "padding_free", False) or (packing and strategy in ("bfd", "bfd_split", "bfd-requeue"))
-    if custom_collator and padding_free:
-        setting = f"packing=True (packing_strategy={strategy!r})" if packing else "padding_free=True"
-        raise InputError(
-            f"{setting} cannot be combined with a custom data_collator: packed, padding-free batches need TRL's "
-            "collator to keep each document's boundaries (position ids, cu_seqlens), which yours cannot know. Drop "
-            "data_collator, or set packing=False and padding_free=False"
-        )
-    if _arg(args, "completion_only_loss") is True and fmt is not None and fmt.kind in ("text", "messages"):
-        better = "assistant_only_loss=True" if fmt.kind == "messages" else "a prompt-completion dataset"
-        raise InputError(
-            f"completion_only_loss=True but the dataset is {fmt.label}, which has no completion to restrict the loss "
-            f"to: TRL would silently train on every token. Use {better}, or leave completion_only_loss unset"
-        )
-    chat_needed = fmt is not None and not fmt.conversational and fmt.kind not in ("tokenized", "formatted")
-    if _arg(args, "assistant_only_loss", False) and chat_needed:
-        raise InputError(f"assistant_only_loss=True needs conversational data ('messages'), but the dataset is "
-                         f"{fmt.label}. Use completion_only_loss for prompt-completion data")
-    kernel = _arg(args, "attention_kernel", "auto")
-    if kernel != "auto" and _arg(args, "cached_packing", True) is False:
-        raise InputError(f"attention_kernel={kernel!r} has no effect with cached_packing=False (the kernel belongs "
-                         "to nbkit's packed attention): set cached_packing=True, or leave attention_kernel='auto'")
-    if _arg(args, "offload_checkpointing", "auto") is True and not _arg(args, "gradient_checkpointing", False):
-        raise InputError("offload_checkpointing=True needs gradient_checkpointing=True (it offloads the inputs that "
-                         "checkpointing keeps): turn gradient checkpointing on, or offloading off")
+    """Switch combinations that cannot work together (``nbkit.settings.combination_problem``)."""
+    problem = combination_problem(args, custom_collator=custom_collator, data_format=fmt)
+    if problem is not None:
+        raise InputError(problem)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -92,7 +92,7 @@ def test_qlora_packed_parity_like_the_benchmark():
     """The benchmark's own path (nf4 QLoRA, packed row, nbkit attention when present) at a small size."""
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("peft")
-    from benchmarks.offload import attach_attention, build_qlora, loss_fn, packed_batch, set_config
+    from benchmarks.offload_workload import attach_attention, build_qlora, loss_fn, packed_batch, set_config
 
     model, causal, _ = build_qlora("8b", 3, "cuda", overrides=dict(hidden_size=1024, intermediate_size=3072,
                                                                    num_attention_heads=8, num_key_value_heads=4,

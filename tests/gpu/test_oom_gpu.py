@@ -37,7 +37,7 @@ def test_real_oom_is_explained_freed_and_the_suggestion_fits(tmp_path):
     from nbkit import FastSFT
     from nbkit.demo.models import tiny_model
     from nbkit.demo.tokenizer import load_demo_tokenizer
-    from nbkit.reliability.resilience import TrainingOutOfMemoryError
+    from nbkit.reliability.oom import TrainingOutOfMemoryError
 
     tokenizer = load_demo_tokenizer()
     model = tiny_model("qwen3", len(tokenizer), dtype=torch.bfloat16, hidden_size=2048, intermediate_size=8192,

@@ -1,0 +1,350 @@
+"""``ReliableTraining``: what happens when something goes wrong, as a mixin for TRL's ``SFTTrainer``.
+
+Used as ``class FastSFT(ReliableTraining, SFTTrainer)``; the mixin relies on ``SFTTrainer``'s internals (its
+``_prepare_dataset``, transformers' ``_save_checkpoint`` / ``_get_output_dir`` / ``_init_training_state``), so it is
+meant for that base and no other. None of it changes the numbers of a run that goes right.
+
+- Inputs: the raw datasets and settings are checked before TRL prepares them (``guards``; ``validate_inputs``).
+- Out of memory: an OOM in the step frees what the step held and raises ``TrainingOutOfMemoryError`` naming the step,
+  the memory and what to change (``oom``); one outside the step (optimizer, evaluation, save) is explained too.
+- Non-finite loss: checked after each micro-batch's backward, before any optimizer step, in the one host read
+  transformers makes anyway; ``on_nonfinite_loss`` stops or skips (``nonfinite``). The same read finds batches whose
+  labels are all masked (nothing to train on) and warns, naming their rows.
+- Saves: checkpoints and ``save_model`` are written into a hidden staging folder and renamed into place
+  (``checkpoints``; ``atomic_saves``); ``train(resume_from_checkpoint=True)`` resumes from the newest complete
+  checkpoint, and resuming a run that already reached ``max_steps`` trains no further step.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from ..config import switch
+from . import checkpoints, nonfinite, oom
+from .guards import validate_training_inputs
+
+logger = logging.getLogger(__name__)
+
+MASKED_WARNINGS = 3  # masked batches warned about one by one; the rest are counted in one line at the end
+
+
+class ReliableTraining:
+    """Input checks, OOM and non-finite-loss handling, atomic saves and resume for an ``SFTTrainer`` subclass.
+
+    After ``train()``: ``nbkit_skipped`` lists the non-finite batches ``on_nonfinite_loss="skip"`` stepped over,
+    ``nbkit_masked`` the micro-batches that had no label to train on.
+    """
+
+    def __init__(self, model: Any = None, args: Any = None, data_collator: Any = None, *pargs: Any,
+                 **kwargs: Any) -> None:
+        self.nbkit_skipped: list[nonfinite.NonFiniteLoss] = []
+        self.nbkit_masked: list[nonfinite.MaskedBatch] = []
+        self._nbkit_micro = 0  # micro-batches run in the current gradient-accumulation window
+        self._nbkit_skip_window = False
+        self._nbkit_pending_loss: torch.Tensor | None = None
+        self._nbkit_staging: Path | None = None
+        self._nbkit_locator: nonfinite.DocumentLocator | None = None
+        self._nbkit_check_inputs(model, args, data_collator, pargs, kwargs)
+        super().__init__(model, args, data_collator, *pargs, **kwargs)
+
+    # -- input checks --------------------------------------------------------------------------------------------------
+    def _nbkit_check_inputs(self, model: Any, args: Any, data_collator: Any, pargs: tuple, kwargs: dict) -> None:
+        """Validate the raw datasets and settings before TRL prepares them; keep what locating rows needs later."""
+        given = inspect.signature(super().__init__).bind(model, args, data_collator, *pargs, **kwargs).arguments
+        self._nbkit_raw_train = given.get("train_dataset")
+        self._nbkit_formatting_func = given.get("formatting_func")
+        if self._nbkit_raw_train is None or not switch(args, "validate_inputs"):
+            return  # TRL raises its own error for a missing train_dataset
+        validate_training_inputs(
+            args,
+            self._nbkit_raw_train,
+            eval_dataset=given.get("eval_dataset"),
+            processing_class=given.get("processing_class"),
+            data_collator=data_collator,
+            formatting_func=self._nbkit_formatting_func,
+        )
+
+    # -- train ---------------------------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """``train``; ``resume_from_checkpoint=True`` picks the newest complete checkpoint, and an out-of-memory
+        error outside the step (optimizer, evaluation, save) is explained too."""
+        resume_from_checkpoint = self._nbkit_prepare_resume(resume_from_checkpoint)
+        self._nbkit_micro, self._nbkit_skip_window = 0, False
+        self.nbkit_masked = []
+        try:
+            result = super().train(resume_from_checkpoint, *args, **kwargs)
+        except torch.OutOfMemoryError as error:
+            if isinstance(error, oom.TrainingOutOfMemoryError):
+                raise
+            original = oom.forget_exception(error)
+        else:
+            if self.nbkit_skipped:
+                logger.warning(nonfinite.skip_summary(self.nbkit_skipped))
+            if len(self.nbkit_masked) > MASKED_WARNINGS:
+                logger.warning(nonfinite.masked_summary(self.nbkit_masked))
+            return result
+        raise self._nbkit_oom_error(original, "the optimizer step, an evaluation or a save") from None
+
+    def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
+                             resume_from_checkpoint: str | None, trial: Any) -> tuple[int, int]:
+        """transformers' state set-up; a checkpoint that already reached ``max_steps`` leaves no epoch to run.
+
+        transformers checks ``global_step >= max_steps`` only after a step, so resuming a finished run whose last
+        epoch is not used up would train one step past ``max_steps`` (and write ``checkpoint-<max_steps + 1>``).
+        """
+        epochs, steps = super()._init_training_state(max_steps, num_update_steps_per_epoch, num_train_epochs,
+                                                     resume_from_checkpoint, trial)
+        if resume_from_checkpoint is not None and 0 < max_steps <= self.state.global_step:
+            logger.warning("nbkit: %s is at step %d of max_steps=%d: the run is complete, no step left to train",
+                           resume_from_checkpoint, self.state.global_step, max_steps)
+            return num_train_epochs, 0
+        return epochs, steps
+
+    # -- the step: out of memory, non-finite loss, masked batches ------------------------------------------------------
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None):
+        """TRL's step; an out-of-memory error frees the step's memory and is re-raised with what to change."""
+        self._nbkit_micro += 1
+        self._nbkit_pending_loss = None
+        try:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        except torch.OutOfMemoryError as error:
+            if isinstance(error, oom.TrainingOutOfMemoryError):
+                raise
+            original = oom.forget_exception(error)  # its frames hold the step's activations
+        else:
+            self._nbkit_check_loss(inputs)
+            self._nbkit_end_micro_batch()
+            return loss
+        del inputs
+        raise self._nbkit_oom_error(original, "the forward/backward pass") from None
+
+    def _nbkit_end_micro_batch(self) -> None:
+        if not self.accelerator.sync_gradients:
+            return  # more micro-batches to accumulate before the optimizer steps
+        if self._nbkit_skip_window:
+            # on_nonfinite_loss="skip": apply nothing of this window; torch optimizers leave parameters without a
+            # gradient (and their state) untouched
+            self.model.zero_grad(set_to_none=True)
+        self._nbkit_skip_window = False
+        self._nbkit_micro = 0
+
+    def _nbkit_oom_error(self, original: str, where: str) -> oom.TrainingOutOfMemoryError:
+        oom.free_memory(self.model)
+        return oom.out_of_memory_error(
+            original,
+            step=self.state.global_step + 1,
+            micro_batch=self._nbkit_micro or None,
+            accumulation=self.args.gradient_accumulation_steps,
+            where=where,
+            args=self.args,
+            model=self.model,
+            device=self.args.device,
+        )
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None):
+        """TRL's loss; in training it is kept for the non-finite check made after its backward (``on_nonfinite_loss``).
+
+        The check is not made here: reading the loss on the host between forward and backward stalls the GPU queue
+        (a measurable share of the step at long context). After the backward, transformers reads the loss anyway
+        (``logging_nan_inf_filter``), and nothing has touched the weights yet.
+        """
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        if self.model.training and switch(self.args, "on_nonfinite_loss") != "off":
+            self._nbkit_pending_loss = (result[0] if return_outputs else result).detach()
+        return result
+
+    def _nbkit_check_loss(self, inputs: dict[str, Any]) -> None:
+        """After a micro-batch's backward, before any optimizer step: stop or skip on a non-finite loss, warn about
+        a batch with no label to train on. One host read for both."""
+        loss, self._nbkit_pending_loss = self._nbkit_pending_loss, None
+        if loss is None:
+            return
+        bad = (~torch.isfinite(loss).all()).to(torch.int32)
+        if self.accelerator.num_processes > 1:  # every rank must take the same branch: collectives follow
+            bad = self.accelerator.reduce(bad, reduction="sum")
+        flags = torch.stack([bad > 0, _all_masked(inputs, loss.device)]).tolist()
+        nonfinite_loss, masked = flags
+        if masked:
+            self._nbkit_masked_batch(inputs)
+        if nonfinite_loss:
+            self._nbkit_nonfinite(loss, inputs, switch(self.args, "on_nonfinite_loss"), masked)
+
+    def _nbkit_masked_batch(self, inputs: dict[str, Any]) -> None:
+        """Record (and for the first few, warn about, with their rows) a micro-batch with every label masked."""
+        documents, spans = nonfinite.batch_documents(inputs)
+        warn = len(self.nbkit_masked) < MASKED_WARNINGS
+        locator = self._nbkit_document_locator() if warn else None
+        event = nonfinite.MaskedBatch(
+            step=self.state.global_step + 1,
+            micro_batch=max(1, self._nbkit_micro),
+            accumulation=self.args.gradient_accumulation_steps,
+            rows=locator.locate(documents) if locator is not None else None,
+            spans=spans,
+        )
+        self.nbkit_masked.append(event)
+        if warn:
+            logger.warning("nbkit: %s. %s", event.describe(), nonfinite.masked_advice())
+
+    def _nbkit_nonfinite(self, loss: torch.Tensor, inputs: dict[str, Any], mode: str, masked: bool = False) -> None:
+        """Raise (``stop``), or record the event and mark the window so its gradients are dropped (``skip``)."""
+        documents, spans = nonfinite.batch_documents(inputs)
+        locator = self._nbkit_document_locator()
+        rows = locator.locate(documents) if locator is not None else None
+        single = self.accelerator.num_processes == 1
+        local = bool(torch.isfinite(loss.detach()).all())
+        notes = (locator.note if locator is not None else "",
+                 "finite here, non-finite on another process" if local else "",
+                 "the batch has no token to train on: every label is masked" if masked else "")
+        event = nonfinite.NonFiniteLoss(
+            step=self.state.global_step + 1,
+            micro_batch=max(1, self._nbkit_micro),
+            accumulation=self.args.gradient_accumulation_steps,
+            value=float(loss.detach().float().cpu()),
+            rows=rows,
+            spans=spans,
+            culprits=self._nbkit_nonfinite_documents(inputs, spans) if single else None,  # no lone forwards
+            note="; ".join(n for n in notes if n),
+        )
+        if mode == "stop":
+            self.model.zero_grad(set_to_none=True)  # the window's partial gradients must not reach a later step
+            last = checkpoints.last_complete_checkpoint(self.args.output_dir) if self.args.output_dir else None
+            kept = f"; the last checkpoint, {last}, is intact" if last else ""
+            held = f"the weights of step {event.step - 1}" if event.step > 1 else "its initial weights"
+            raise nonfinite.NonFiniteLossError(
+                f"nbkit: {event.describe()}. Training stopped after this batch's backward, before any optimizer "
+                f"step: the model holds {held}{kept}. Look at those rows (an extreme or corrupt example), lower "
+                "learning_rate or set max_grad_norm, or set on_nonfinite_loss='skip' to step over such batches.",
+                event,
+            )
+        logger.warning("nbkit: %s; skipping optimizer step %d (on_nonfinite_loss='skip')", event.describe(), event.step)
+        self.nbkit_skipped.append(event)
+        # The backward still runs (DDP and FSDP expect one after every forward); then either the GradScaler (fp16)
+        # finds the non-finite gradients and skips the step itself, or the window's gradients are dropped.
+        self._nbkit_skip_window = self.accelerator.scaler is None
+
+    @torch.no_grad()
+    def _nbkit_nonfinite_documents(self, inputs: dict[str, Any], spans: list[tuple[int, int, int]]) -> list[int] | None:
+        """Which of the batch's documents give a non-finite loss on their own: one no-grad forward each, through
+        TRL's fused head (the loss path), with the RNG forked so a skipped run's later steps are unchanged."""
+        ids, labels = inputs.get("input_ids"), inputs.get("labels")
+        if ids is None or labels is None:
+            return None
+        devices = [ids.device.index or 0] if ids.is_cuda else []
+        culprits = []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                for i, (row, start, end) in enumerate(spans):
+                    out = self.model(
+                        input_ids=ids[row : row + 1, start:end],
+                        labels=labels[row : row + 1, start:end],
+                        position_ids=torch.arange(end - start, device=ids.device)[None],
+                        fused_lm_head=True,
+                        use_cache=False,
+                    )
+                    if not bool(torch.isfinite(out.log_probs).all()):
+                        culprits.append(i)
+        except Exception as error:  # a courtesy of the error path: never hide the real error behind it
+            logger.warning("nbkit: could not test the documents one by one (%s: %s)", type(error).__name__, error)
+            return None
+        return culprits
+
+    def _nbkit_document_locator(self) -> nonfinite.DocumentLocator | None:
+        """Maps a batch's documents to rows of the user's train_dataset, built on first use (see ``nonfinite``)."""
+        if self._nbkit_locator is None and self._nbkit_raw_train is not None:
+            args = copy.copy(self.args)
+            args.max_length, args.shuffle_dataset = None, False  # whole documents, in dataset order
+
+            def prepare(dataset):
+                return self._prepare_dataset(dataset, self.processing_class, args, False, self._nbkit_formatting_func,
+                                             "nbkit row lookup")
+
+            self._nbkit_locator = nonfinite.DocumentLocator(self._nbkit_raw_train, prepare)
+        return self._nbkit_locator
+
+    # -- atomic checkpoints and saves, resume --------------------------------------------------------------------------
+    def _nbkit_atomic(self) -> bool:
+        """Staged saves need one writer and a local rename: single process, no Hub push, no DeepSpeed/FSDP."""
+        return bool(switch(self.args, "atomic_saves")) and not self.args.push_to_hub and self.args.world_size == 1 \
+            and not self.is_deepspeed_enabled and not self.is_fsdp_enabled
+
+    def _get_output_dir(self, trial: Any) -> str:
+        """While a checkpoint is being staged, transformers writes it into the staging folder."""
+        if self._nbkit_staging is not None:
+            return str(self._nbkit_staging)
+        return super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        """transformers' checkpoint, written into a hidden staging folder and renamed to ``checkpoint-N`` whole."""
+        if not self._nbkit_atomic():
+            return super()._save_checkpoint(model, trial)
+        run_dir = Path(super()._get_output_dir(trial))
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging = checkpoints.new_staging_dir(run_dir, name)
+        self._nbkit_staging = staging
+        try:
+            super()._save_checkpoint(model, trial)  # its own rotation runs in the staging folder: nothing to rotate
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        finally:
+            self._nbkit_staging = None
+        written = staging / name
+        best = self.state.best_model_checkpoint
+        if best is not None and Path(best).parent == staging:  # transformers recorded the staging path
+            self.state.best_model_checkpoint = str(run_dir / Path(best).name)
+            self.state.save_to_json(str(written / "trainer_state.json"))
+        checkpoints.publish_directory(written, run_dir / name)
+        shutil.rmtree(staging, ignore_errors=True)
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model``; a user's call writes to a staging folder first (``checkpoints.atomic_directory``)."""
+        if _internal_call or not self._nbkit_atomic():
+            return super().save_model(output_dir, _internal_call)
+        target = output_dir if output_dir is not None else self.args.output_dir
+        with checkpoints.atomic_directory(target) as staging:
+            super().save_model(str(staging), _internal_call)
+
+    def _nbkit_prepare_resume(self, resume: str | bool | None) -> str | bool | None:
+        """Tidy what a kill left in output_dir; turn ``True`` into the newest complete checkpoint. Without atomic
+        saves (switched off, several processes, DeepSpeed/FSDP layouts) transformers' own choice stands."""
+        output_dir = self.args.output_dir
+        if not output_dir or not self._nbkit_atomic():
+            return resume
+        for done in checkpoints.recover_interrupted(output_dir):
+            logger.warning("nbkit: %s in %s", done, output_dir)
+        if resume is not True:
+            return resume
+        skipped: list[tuple[str, str]] = []
+        found = checkpoints.last_complete_checkpoint(output_dir, skipped)
+        for path, why in skipped:
+            logger.warning("nbkit: not resuming from %s: %s", path, why)
+        if found is None:
+            extra = f" ({len(skipped)} incomplete: {', '.join(p for p, _ in skipped)})" if skipped else ""
+            raise ValueError(f"resume_from_checkpoint=True, but {output_dir} holds no complete checkpoint{extra}: "
+                             "start without resume_from_checkpoint, or point output_dir at the run's folder")
+        logger.info("nbkit: resuming from %s", found)
+        return found
+
+
+def _all_masked(inputs: dict[str, Any], device: torch.device) -> torch.Tensor:
+    """True (a 0-d tensor on ``device``, read with the loss) when the batch has no label to predict."""
+    labels = inputs.get("shift_labels")
+    if labels is None:
+        labels = inputs.get("labels")
+        labels = labels[..., 1:] if labels is not None else None  # the first token is never a target
+    if labels is None:
+        return torch.zeros((), dtype=torch.bool, device=device)
+    return (labels == -100).all().to(device)
