@@ -150,7 +150,7 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
     timer = StepTimer()
     if name.startswith("fastsft"):
         cls = timed_trainer(fast=True)
-        config = FastSFTConfig(**common, live_dashboard=False, **overrides)
+        config = FastSFTConfig(**common, **{"live_dashboard": False, **overrides})
     else:
         cls = timed_trainer(fast=False)
         config = SFTConfig(**common, **overrides)

@@ -7,8 +7,11 @@ Scenarios (tiny Qwen3 + LoRA r=4, packed conversational demo data, 6 steps, a ch
   -> no ``checkpoint-4`` appears, the latest is checkpoint-2, and resuming from it ends like the uninterrupted run;
 - the same failure in-process with ``atomic_saves=False`` leaves the broken ``checkpoint-4`` that transformers'
   ``get_last_checkpoint`` would resume from: what the staging prevents (so the tests above can fail);
+- a finished run resumed (its newest checkpoint is at ``max_steps``) trains no further step and keeps the final
+  weights (transformers alone would run step ``max_steps + 1``);
 - ``python -m nbkit demo`` interrupted (KeyboardInterrupt, as a notebook's stop button) then ``--resume``, with an
-  ``HF_TOKEN`` in the environment that must appear in no output and no written file.
+  ``HF_TOKEN`` in the environment that must appear in no output and no written file; ``--resume`` once more on the
+  finished demo trains nothing.
 
 Tolerance: losses and final adapter tensors equal to 1e-5 relative, 1e-7 absolute (same threads, same order of
 operations: in practice bit-identical; the margin only covers a different BLAS path after a process restart).
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -88,7 +92,7 @@ def reference(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("uninterrupted")
     trainer = build(out)
     trainer.train()
-    return {"losses": losses(trainer.state.log_history), "adapter": final_adapter(trainer, out / "final")}
+    return {"losses": losses(trainer.state.log_history), "adapter": final_adapter(trainer, out / "final"), "out": out}
 
 
 CHILD = textwrap.dedent(
@@ -207,6 +211,26 @@ def test_killed_during_a_save_leaves_the_previous_checkpoint_as_latest(tmp_path,
     assert_same_run(trainer, reference, tmp_path / "final")
 
 
+def test_resuming_a_finished_run_trains_no_further_step(tmp_path, reference):
+    out = tmp_path / "out"
+    shutil.copytree(reference["out"], out, ignore=shutil.ignore_patterns("final"))
+    assert last_complete_checkpoint(out) == str(out / f"checkpoint-{MAX_STEPS}")
+    trainer = build(out)
+    steps: list[int] = []
+    original = trainer.training_step
+
+    def counting(*args, **kwargs):
+        steps.append(trainer.state.global_step)
+        return original(*args, **kwargs)
+
+    trainer.training_step = counting
+    trainer.train(resume_from_checkpoint=True)
+    assert steps == [] and trainer.state.global_step == MAX_STEPS
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == [
+        f"checkpoint-{s}" for s in range(SAVE_STEPS, MAX_STEPS + 1, SAVE_STEPS)]
+    assert_same_run(trainer, reference, tmp_path / "final")  # the weights of the finished run, loaded
+
+
 class _SaveFailed(RuntimeError):
     pass
 
@@ -321,6 +345,10 @@ def test_demo_resume_matches_uninterrupted_and_shows_no_secret(tmp_path, monkeyp
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=RTOL, atol=ATOL, msg=name)
     assert json.loads((tmp_path / "cut" / "metrics.json").read_text())["losses"] == resumed["losses"]
+    again = demo.main(argv(tmp_path / "cut", "--resume"))  # the run is finished: nothing left to train
+    assert again["resumed_from"] == str(tmp_path / "cut" / "trainer" / "checkpoint-6") and again["steps"] == 6
+    assert not (tmp_path / "cut" / "trainer" / "checkpoint-7").exists()
+    torch.testing.assert_close(torch.tensor(again["losses"]), torch.tensor(full["losses"]), rtol=RTOL, atol=ATOL)
 
     out, err = capfd.readouterr()
     assert "resuming from" in out
