@@ -147,7 +147,6 @@ def answer(
     messages = _messages(message_or_messages, system)
     ids = prompt_ids(tokenizer, messages, _device(model))
     config = greedy_config(model, tokenizer, max_new_tokens)
-    stops = list(config.eos_token_id or [])
     sink = _print if stream is True else (stream if callable(stream) else None)
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
@@ -167,7 +166,8 @@ def answer(
         out = _TextStream(tokenizer, sink, skip_first=False) if sink else None
         with torch.no_grad():
             if reason is None:
-                tokens = decoder.generate(model, ids, config, on_token=(lambda t: out.put(torch.tensor([t]))) if out else None)
+                put = (lambda t: out.put(torch.tensor([t]))) if out else None
+                tokens = decoder.generate(model, ids, config, on_token=put)
                 path = "graphed"
             else:
                 if out:

@@ -6,6 +6,9 @@ and memory only. Each speedup is an object this trainer owns, attached to the mo
 What happens when something goes wrong (bad inputs, OOM, non-finite loss, a kill mid-save, resume) is
 ``nbkit.reliability.trainer_mixin.ReliableTraining``, which this trainer inherits.
 
+Under fp16 mixed precision (a T4: what ``FastSFTConfig`` picks there), trainable weights that TRL cast to bf16 (its
+QLoRA recipe, meant for bf16 GPUs) are put back in fp32: fp16's gradient scaler cannot unscale bf16 gradients.
+
 One setting TRL changes on the model is handed back too: ``SFTTrainer.__init__`` sets ``output_router_logits=True``
 on a MoE config (for the load-balancing loss), with which a padded ``generate`` fails at its first decode step. It
 holds TRL's value inside ``train()`` / ``evaluate()`` (the auxiliary loss is unchanged) and the user's outside.
@@ -17,6 +20,7 @@ import contextlib
 import logging
 from typing import Any, Iterator
 
+import torch
 from transformers import TrainerCallback
 from trl import SFTConfig, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
@@ -79,12 +83,20 @@ class FastSFT(ReliableTraining, SFTTrainer):
             config, user, _ = self._nbkit_router
             self._nbkit_router = (config, user, config.output_router_logits)
             config.output_router_logits = user
+        if self.args.fp16:
+            self._fp32_trainable_weights()
         if _switch(self.args, "cached_packing"):
             self._install_packed_collator()
         self.add_callback(self._train_stage)
         self._maybe_add_dashboard()
 
     # -- setup ---------------------------------------------------------------------------------------------------------
+    def _fp32_trainable_weights(self) -> None:
+        """fp16 mixed precision keeps the trainable weights in fp32 (the scaler unscales their gradients there)."""
+        for param in self.model.parameters():
+            if param.requires_grad and param.dtype == torch.bfloat16:
+                param.data = param.data.float()
+
     def _install_packed_collator(self) -> None:
         """Make every batch padding-free with host-built boundaries (TRL's own collator underneath)."""
         collator = self.data_collator

@@ -1,5 +1,6 @@
-"""Tests for nbkit.dashboard: throttling, the mode fallback chain, bounded output, the numbers shown, attaching to a
-trainer, a real tiny TRL run on CPU, and (when nbclient and ipykernel are installed) a real notebook kernel."""
+"""Tests for nbkit.dashboard on its own: throttling, the mode fallback chain, bounded output, the numbers shown, the
+text/plain form of notebook outputs, steps versus epochs, and what a step costs. Its fakes are shared by
+test_dashboard_attach.py (on a trainer, several ranks) and test_dashboard_runs.py (real runs, a real kernel)."""
 
 from __future__ import annotations
 

@@ -173,10 +173,10 @@ def test_attach_uses_the_rank_memory_callback_already_on_the_trainer():
     assert mine in trainer.callback_handler.callbacks  # not the dashboard's to remove
 
 
-@pytest.mark.parametrize("world_size", [None, 1])
-def test_one_process_attach_adds_no_collective(world_size):
+@pytest.mark.parametrize("world_size, gather_ranks", [(None, True), (1, True), (2, False)])
+def test_one_process_or_gather_ranks_off_adds_no_collective(world_size, gather_ranks):
     trainer = _fake_trainer(world_size=world_size)
-    d = attach_dashboard(trainer, mode="text")
+    d = attach_dashboard(trainer, mode="text", gather_ranks=gather_ranks)
     assert d.rank_memory is None and "RankMemoryCallback" not in _names(trainer)
 
 

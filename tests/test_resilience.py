@@ -9,6 +9,8 @@
   holds it has a NaN loss. "stop" raises at that step with that row named, before any optimizer step, and the checkpoint
   of the step before holds the weights the model still has; "skip" leaves the weights and optimizer state of that
   step bit-identical (the whole accumulation window) and goes on.
+- Masked batch: one chat's prompt is longer than ``max_length``, so packing cuts its answer away and the packed row
+  holding it has no label to train on; training goes on (TRL's loss is 0 there) and a warning names that row.
 - Atomic directories: publish, swap, merge, failure, and recovery after a kill between the two renames of a swap.
 - Security: ``trust_remote_code`` is off unless asked (custom code in a model folder is not executed), weights load
   from safetensors without unpickling, ``colab_setup.sh`` prints no secret from the environment and runs no remote
@@ -20,6 +22,7 @@ from __future__ import annotations
 import gc
 import inspect
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -240,6 +243,26 @@ def test_nonfinite_loss_skip_leaves_that_step_untouched(tokenizer, tmp_path, acc
         assert same == (s == step), s
     assert optimizer_steps[4] == 3  # the skipped step left the optimizer state alone too
     assert all(torch.isfinite(t).all() for t in snapshots[4].values())
+
+
+def test_a_batch_with_every_label_masked_is_named(tokenizer, tmp_path, caplog):
+    from nbkit.demo.data import make_dataset
+
+    rows = make_dataset("messages", n=6).to_list()
+    cut = len(rows)
+    rows.append({"messages": [{"role": "user", "content": "red fox " * 60}, {"role": "assistant", "content": "a"}]})
+    trainer = _trainer(tokenizer, tmp_path, dataset=Dataset.from_list(rows), per_device_train_batch_size=1)
+    trainer.args.max_steps = len(trainer.train_dataset)  # one epoch of packed rows: the cut one among them
+    with caplog.at_level(logging.WARNING, logger="nbkit.reliability.trainer_mixin"):
+        trainer.train()
+    assert trainer.state.global_step == len(trainer.train_dataset)  # not stopped: the loss is finite (0)
+    assert [event.rows for event in trainer.nbkit_masked] == [[[cut]]]
+    step = trainer.nbkit_masked[0].step
+    assert f"step {step} has no token to train on: every label of its 1 document(s) is masked (train_dataset rows " \
+           f"[{cut}])" in caplog.text
+    assert "max_length" in caplog.text and "bfd_split" in caplog.text
+    logged = [h for h in trainer.state.log_history if h.get("step") == step and "loss" in h]
+    assert logged and logged[0]["loss"] == 0.0
 
 
 def test_nonfinite_switch_values():

@@ -56,12 +56,15 @@ class LiveDashboard(TrainerCallback):
         rate_window: seconds over which "tokens/s now" is measured.
         stream: text mode's stream (default: ``sys.stdout`` at the time of writing).
         text_interval: seconds between lines in text mode when the stream is not a terminal.
+        gather_ranks: on a multi-process run, let ``attach`` add the ``RankMemoryCallback`` that shows every rank's
+            memory. Its gather is a collective, so either every rank attaches a dashboard or none gathers: pass
+            False where only the main process attaches one (it then shows rank 0's memory alone).
     """
 
     def __init__(self, mode: str = "auto", *, clock: Callable[[], float] = time.monotonic,
                  memory_reader: Optional[Callable[[], MemoryReading]] = None, min_interval: float = 0.5,
                  ema: float = 0.9, rate_window: float = 5.0, stream: Optional[TextIO] = None,
-                 text_interval: float = 30.0) -> None:
+                 text_interval: float = 30.0, gather_ranks: bool = True) -> None:
         if mode not in MODES:
             raise ValueError(f"dashboard mode {mode!r}: choose one of {MODES}")
         self.mode = mode
@@ -72,6 +75,7 @@ class LiveDashboard(TrainerCallback):
         self.rate_window = rate_window
         self.stream = stream
         self.text_interval = text_interval
+        self.gather_ranks = gather_ranks
         self.view: Any = None
         self.active_mode: Optional[str] = None
         self.renders = 0
@@ -97,7 +101,7 @@ class LiveDashboard(TrainerCallback):
 
         On a multi-process run (``trainer.args.world_size > 1``) it also puts a ``RankMemoryCallback`` before
         itself (or uses one already there), so rank 0 shows every rank's memory; call ``attach`` on every rank,
-        as ``FastSFT`` does, because that callback's gather is a collective."""
+        as ``FastSFT`` does, because that callback's gather is a collective (or pass ``gather_ranks=False``)."""
         if self._trainer is not None and self._trainer is not trainer:
             self.detach()
         handler = trainer.callback_handler
@@ -117,7 +121,7 @@ class LiveDashboard(TrainerCallback):
         self._displaced = displaced + self._displaced if self._trainer is trainer else displaced
         self._displaced.sort(key=lambda item: item[0])
         self._trainer = trainer
-        if _world_size(getattr(trainer, "args", None)) > 1:
+        if self.gather_ranks and _world_size(getattr(trainer, "args", None)) > 1:
             self._wire_rank_memory(handler.callbacks)
         return self
 

@@ -1,0 +1,134 @@
+"""The rules of the settings live in ``nbkit.settings``: allowed switch values, incompatible combinations, and the
+defaults chosen from the hardware when the user chose none (mixed precision, pinned memory). CPU; the GPU side of
+the precision choice is simulated here and checked for real in ``tests/gpu/test_settings_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+
+from nbkit import FastSFTConfig, settings
+from nbkit.settings import SWITCH_VALUES, SettingError, combination_problem, mixed_precision, value_problem
+
+no_accelerator = pytest.mark.skipif(torch.cuda.is_available() or (
+    hasattr(torch, "accelerator") and torch.accelerator.is_available()), reason="checks the CPU-only defaults")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# values and combinations
+
+
+_BAD = {"attention_kernel": "fast", "offload_checkpointing": "yes", "fused_kernels": 1, "live_dashboard": "on",
+        "on_nonfinite_loss": "ignore"}
+
+
+@pytest.mark.parametrize("name", sorted(SWITCH_VALUES))
+def test_every_switch_value_is_checked_by_the_one_rule(tmp_path, name):
+    with pytest.raises(SettingError) as caught:
+        FastSFTConfig(output_dir=str(tmp_path), bf16=False, **{name: _BAD[name]})
+    assert str(caught.value) == value_problem(name, _BAD[name])
+    assert str(caught.value).startswith(f"{name}={_BAD[name]!r}: ")
+    assert isinstance(caught.value, ValueError)
+    for good in SWITCH_VALUES[name]:
+        assert getattr(FastSFTConfig(output_dir=str(tmp_path), bf16=False, **{name: good}), name) == good
+
+
+def test_attention_kernels_allowed_are_the_kernels_that_exist():
+    from nbkit.ops.varlen_attention import KERNELS
+
+    assert SWITCH_VALUES["attention_kernel"] == ("auto", *KERNELS)
+    assert "'sdpa_loop'" in value_problem("attention_kernel", "fast")
+
+
+def test_guards_raise_the_combination_rule_of_settings(tmp_path):
+    from nbkit.demo.data import make_dataset
+    from nbkit.reliability.guards import InputError, validate_training_inputs
+
+    args = FastSFTConfig(output_dir=str(tmp_path), bf16=False, offload_checkpointing=True,
+                         gradient_checkpointing=False)
+    with pytest.raises(InputError) as caught:
+        validate_training_inputs(args, make_dataset("text", n=4))
+    assert str(caught.value) == combination_problem(args)
+    assert combination_problem(FastSFTConfig(output_dir=str(tmp_path), bf16=False)) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mixed precision
+
+
+@no_accelerator
+def test_the_readme_config_builds_on_a_cpu_in_fp32_and_says_so(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="nbkit.config"):
+        args = FastSFTConfig(output_dir=str(tmp_path), packing=True, max_length=4096)  # TRL's default: bf16 fails
+    assert (args.bf16, args.fp16) == (False, False)
+    lines = [r.getMessage() for r in caplog.records if r.name == "nbkit.config"]
+    assert len(lines) == 1 and "fp32 (no mixed precision)" in lines[0] and "bf16 and fp16 were not set" in lines[0]
+
+
+def test_an_explicit_precision_choice_always_wins(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="nbkit.config"):
+        args = FastSFTConfig(output_dir=str(tmp_path), bf16=True, use_cpu=True)  # bf16 autocast on a CPU: asked for
+        assert (args.bf16, args.fp16) == (True, False)
+        assert FastSFTConfig(output_dir=str(tmp_path), bf16=False).bf16 is False
+    assert not [r for r in caplog.records if r.name == "nbkit.config"]
+    t4 = ("fp16", "Tesla T4 has no fast bf16")
+    assert mixed_precision(True, None, hardware=t4) == (True, False, None)
+    assert mixed_precision(None, True, hardware=("bf16", "H200")) == (False, True, None)
+    assert mixed_precision(False, False, hardware=t4) == (False, False, None)
+    bf16, fp16, line = mixed_precision(None, False, hardware=t4)  # fp16 refused, bf16 open: not fast here
+    assert (bf16, fp16) == (False, False) and "bf16 was not set" in line
+
+
+@pytest.mark.parametrize("kind, expected", [("bf16", (True, False)), ("fp16", (False, True)), ("fp32", (False, False))])
+def test_an_open_choice_follows_the_hardware_in_one_line(kind, expected):
+    bf16, fp16, line = mixed_precision(None, None, hardware=(kind, "why"))
+    assert (bf16, fp16) == expected
+    assert line.startswith(f"nbkit: training in {kind}") and "why" in line and "\n" not in line
+
+
+def test_the_hardware_reading_follows_the_gpus_compute_capability(monkeypatch):
+    import nbkit.loading
+
+    assert settings.hardware_precision(use_cpu=True)[0] == "fp32"
+    if not torch.cuda.is_available():
+        assert settings.hardware_precision()[0] == "fp32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Tesla T4")
+    monkeypatch.setattr(nbkit.loading, "pick_compute_dtype", lambda device=None: torch.float16)  # sm75
+    assert settings.hardware_precision() == ("fp16", "Tesla T4 has no fast bf16")
+    monkeypatch.setattr(nbkit.loading, "pick_compute_dtype", lambda device=None: torch.bfloat16)  # sm80+
+    assert settings.hardware_precision()[0] == "bf16"
+    assert settings.hardware_precision(use_cpu=True)[0] == "fp32"  # use_cpu: the GPU is not used
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pinned memory
+
+
+@no_accelerator
+def test_no_pin_memory_warning_on_a_cpu_unless_pinning_was_asked(tmp_path):
+    from nbkit import FastSFT
+    from nbkit.demo.data import make_dataset
+    from nbkit.demo.models import tiny_model
+    from nbkit.demo.tokenizer import load_demo_tokenizer
+
+    assert FastSFTConfig(output_dir=str(tmp_path), bf16=False).dataloader_pin_memory is False
+    assert FastSFTConfig(output_dir=str(tmp_path), bf16=False, dataloader_pin_memory=True).dataloader_pin_memory
+
+    tokenizer = load_demo_tokenizer()
+    args = FastSFTConfig(output_dir=str(tmp_path), bf16=False, report_to=[], max_length=64, live_dashboard=False,
+                         dataloader_num_workers=0, per_device_train_batch_size=2)
+    trainer = FastSFT(model=tiny_model("qwen3", len(tokenizer), pad_token_id=tokenizer.pad_token_id), args=args,
+                      train_dataset=make_dataset("text", n=8), processing_class=tokenizer)
+    for pin, warned in ((None, False), (True, True)):  # the control: pinning asked for, torch warns
+        if pin is not None:
+            trainer.args.dataloader_pin_memory = pin
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            next(iter(trainer.get_train_dataloader()))
+        assert any("pin_memory" in str(w.message) for w in caught) == warned, [str(w.message) for w in caught]
