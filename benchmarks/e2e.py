@@ -232,8 +232,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         table = markdown_table(run_rows, baseline="sft" if "sft" in paths else None)
         print(f"\n{shape}, {tokens} tokens/step, {'QLoRA nf4' if quantize else 'LoRA ' + weights}\n{table}\n",
               flush=True)
-    write_results("e2e", rows, argv=argv, name=f"e2e_{shape}", notes="CPU smoke run (--tiny)" if args.tiny else "")
+        # after each row length, so a run cut short keeps the lengths it finished
+        write_results("e2e", rows, argv=argv, name=f"e2e_{shape}", notes="CPU smoke run (--tiny)" if args.tiny else "")
     return rows
+
 
 if __name__ == "__main__":
     main()

@@ -175,7 +175,8 @@ def profile_overlap(model: nn.Module, causal: nn.Module, batch: dict) -> dict:
 def side_by_side(args: argparse.Namespace, device: str, deadline: float) -> list[dict]:
     """Every config on every (model, tokens), one model build per shape; a failing config gives an error row.
 
-    The first profiled step of each nbkit config adds its copy/compute overlap to its row (``copy_overlap``)."""
+    Each nbkit config is profiled once, at its first (model, tokens): one extra step, whose copy/compute overlap goes
+    into that row (``copy_overlap``)."""
     rows: list[dict] = []
     profiled: set[str] = set()
     for shape in args.models:
