@@ -2,7 +2,8 @@
 
 - ``pick_model``: the model a notebook trains. ``"auto"`` is a real checkpoint on a GPU and, with no GPU, a tiny
   randomly initialised model of a real architecture saved to a local folder with the demo tokenizer; either way
-  the notebook then loads it through the same ``nbkit.load_model(path, ...)`` call.
+  the notebook then loads it through the same ``nbkit.load_model(path, ...)`` call. ``ModelChoice.recipe`` gives
+  the training settings for it: the tiny model's are ``nbkit.demo.models.TINY_RECIPE``, the demo's.
 - ``to_prompt_completion`` / ``demo_chat_dataset``: chat rows as TRL's conversational prompt-completion format, so
   the loss covers the answer only with any model's chat template (``assistant_only_loss`` needs templates with
   ``{% generation %}`` markers, which most shipped templates lack).
@@ -10,6 +11,10 @@
 - ``RunProbe``: tokens/s (TRL's token count, first step left out), per-step losses and peak CUDA memory of a run.
 - ``sequence_loss``: one number to tell whether two models (trained, reloaded, merged) are the same.
 - ``feature``: whether an nbkit module and the name a notebook needs are there, and if not, what is missing.
+- ``LengthSearch``: the longest sequence a training step fits, found without ever running a step that host memory
+  (or the time allowed) cannot hold: each try is first predicted from the ones measured at shorter lengths.
+
+Memory figures are read and formatted by ``nbkit.memory`` (``fmt_bytes`` for display).
 """
 
 from __future__ import annotations
@@ -18,13 +23,17 @@ import contextlib
 import importlib
 import math
 import re
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from transformers import TrainerCallback
+
+from nbkit.demo.models import TINY_RECIPE, Recipe
+from nbkit.memory import device_memory, fmt_bytes, host_memory, process_rss
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,12 @@ class ModelChoice:
         if self.tiny:
             return f"tiny random-init {self.family} model saved in {self.path} (no GPU or model_name='tiny')"
         return self.path
+
+    def recipe(self, pretrained: Recipe, **given: Any) -> Recipe:
+        """The training settings: ``TINY_RECIPE`` for a tiny model (what makes a random-init model learn: many small
+        steps, a high learning rate, embeddings and head trained in full), else ``pretrained``; then every ``given``
+        value that is not None (a notebook parameter set by the user) in place of the recipe's."""
+        return (TINY_RECIPE if self.tiny else pretrained).but(**given)
 
 
 def pick_model(model_name: str, gpu_default: str, tiny_family: str = "qwen3", folder: str | Path = "nbkit-out/tiny",
@@ -51,7 +66,7 @@ def pick_model(model_name: str, gpu_default: str, tiny_family: str = "qwen3", fo
         model_name = gpu_default if torch.cuda.is_available() else "tiny"
     if model_name == "tiny" or model_name.startswith("tiny:"):
         family = model_name.partition(":")[2] or tiny_family
-        from nbkit.demo.run import build_base
+        from nbkit.demo.models import build_base
 
         build_base(Path(folder), family, seed)
         return ModelChoice(str(folder), True, family)
@@ -94,11 +109,11 @@ _THINK = re.compile(r"^\s*<think>.*?</think>\s*", re.DOTALL)
 
 
 def answers(model: torch.nn.Module, tokenizer: Any, questions: Sequence[str], max_new_tokens: int = 16) -> list[str]:
-    """Greedy answers to chat ``questions``; an empty reasoning block (Qwen3's ``<think></think>``) is removed."""
-    from nbkit.demo.run import generate_answers
+    """Greedy answers to chat ``questions`` (``nbkit.generation``); an empty reasoning block (Qwen3's
+    ``<think></think>``) is removed."""
+    from nbkit.generation import generate_answers
 
-    with eval_mode(model):
-        raw = generate_answers(model, tokenizer, list(questions), max_new_tokens=max_new_tokens)
+    raw = generate_answers(model, tokenizer, list(questions), max_new_tokens=max_new_tokens)
     return [_THINK.sub("", text).strip() for text in raw]
 
 
@@ -171,8 +186,8 @@ class RunProbe(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001
         self.t_end = time.perf_counter()
-        if self._device is not None and self._device.type == "cuda":
-            self.peak_memory = int(torch.cuda.max_memory_allocated(self._device))
+        reading = device_memory(self._device) if self._device is not None else None
+        self.peak_memory = reading.peak if reading is not None else None
 
     @property
     def seconds_per_step(self) -> float:
@@ -236,7 +251,165 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> Any:
     return Markdown("\n".join(lines))
 
 
-def fmt_bytes(n: Optional[int]) -> str:
-    if n is None:
-        return "n/a"
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+# ---------------------------------------------------------------------------------------------------------------
+# the longest length that fits
+
+
+class HostPeak:
+    """This process's peak resident set while the block runs, sampled every ``interval`` seconds on a thread.
+
+    Why sampled: the kernel's peak (``ru_maxrss``) only grows over the life of the process, so it cannot tell the
+    peak of one step once a longer one has run. Pinned (page-locked) host memory is resident, so it is counted.
+    """
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.interval = interval
+        self.start = self.peak = 0
+        self._done = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _sample(self) -> None:
+        now = process_rss()
+        if now is not None and now > self.peak:
+            self.peak = now
+
+    def _loop(self) -> None:
+        while not self._done.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> HostPeak:
+        self.start = self.peak = process_rss() or 0
+        self._done.clear()
+        self._thread = threading.Thread(target=self._loop, name="nbkit-host-peak", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sample()
+
+
+def forecast(points: Sequence[tuple[int, float]], length: int) -> Optional[float]:
+    """What a quantity measured at shorter lengths (``points``: (length, value)) will be at ``length``, erring high.
+
+    A training step's memory and time grow at most with the square of the length (attention scores) on top of a
+    part that does not grow (weights, optimizer state). The increment between the two longest measured lengths
+    cancels that fixed part; it is scaled by the larger of the linear and the quadratic growth to ``length``, and
+    the result is at least the last value scaled linearly. With one point the whole value is taken to grow with the
+    square. None without a point below ``length``.
+    """
+    below = sorted((n, v) for n, v in points if n < length)
+    if not below:
+        return None
+    n2, v2 = below[-1]
+    if len(below) == 1:
+        return v2 * (length / n2) ** 2
+    n1, v1 = below[-2]
+    grow = max((length - n2) / (n2 - n1), (length**2 - n2**2) / (n2**2 - n1**2))
+    return max(v2 + max(v2 - v1, 0.0) * grow, v2 * length / n2)
+
+
+@dataclass
+class LengthSearch:
+    """The longest sequence ``try_length`` fits: doubling from ``start`` while it fits, up to ``limit``, then
+    ``refine_steps`` bisections towards the first length that did not fit (out of memory, or predicted not to fit in
+    host memory).
+
+    ``try_length(n)`` trains on one sequence of ``n`` tokens and returns a dict with ``fits`` (False: it ran out of
+    memory, caught) and, when it fits, ``seconds_per_step``. A device out of memory is an exception a try catches;
+    running out of host memory is not (the kernel kills the process), so no try runs whose host memory, predicted
+    by ``forecast`` from the tries before it, exceeds ``host_fraction`` of what ``host_memory()`` says is available
+    now (plus what this process already holds above where the search began). Tries predicted to take more than
+    ``max_step_seconds`` a step (None: no limit) are not run either. The first try has nothing to predict from:
+    keep ``start`` small. ``run()`` returns ``longest_fit``, ``first_oom``, ``tried`` (length -> the try's dict,
+    plus its measured ``host_peak`` in bytes above the start and the ``predicted`` host bytes and seconds) and
+    ``stopped``: where and why the search ended, in words.
+    """
+
+    try_length: Callable[[int], dict]
+    start: int
+    limit: int
+    refine_steps: int = 2
+    max_step_seconds: Optional[float] = None
+    host_fraction: float = 0.8
+    label: str = ""
+    say: Callable[[str], None] = print
+    read_host: Callable[[], tuple[Optional[int], Optional[int]]] = host_memory
+    watch: Callable[[], HostPeak] = HostPeak
+    tried: dict[int, dict] = field(default_factory=dict)
+    _base: int = field(default=0, init=False, repr=False)  # this process's RSS when run() began
+
+    def predicted(self, length: int) -> tuple[Optional[float], Optional[float]]:
+        """(host bytes above the start, seconds a step) a try at ``length`` is expected to need."""
+        fits = [(n, row) for n, row in self.tried.items() if row["fits"]]
+        host = forecast([(n, row["host_peak"]) for n, row in fits], length)
+        seconds = forecast([(n, row["seconds_per_step"]) for n, row in fits], length)
+        return host, seconds
+
+    def blocked(self, length: int) -> Optional[tuple[str, str]]:
+        """("host" or "time", why) when a try at ``length`` is not to run; None when it may."""
+        host, seconds = self.predicted(length)
+        used, total = self.read_host()
+        if host is not None and used is not None and total is not None:
+            available = total - used
+            held = max(0, (process_rss() or self._base) - self._base)
+            if host - held > self.host_fraction * available:
+                return "host", (f"a step at {length:,} tokens would need about {fmt_bytes(int(host))} of host memory, "
+                                f"{fmt_bytes(int(host - held))} more than now, and {fmt_bytes(available)} is "
+                                f"available (a try may take {self.host_fraction:.0%} of it)")
+        if seconds is not None and self.max_step_seconds is not None and seconds > self.max_step_seconds:
+            return "time", (f"a step at {length:,} tokens would take about {seconds:,.0f} s "
+                            f"(max_step_seconds={self.max_step_seconds:g})")
+        return None
+
+    def _try(self, length: int) -> dict:
+        host, seconds = self.predicted(length)
+        with self.watch() as peak:
+            row = dict(self.try_length(length))
+        row["host_peak"] = max(0, peak.peak - self._base)
+        row["predicted"] = {"host_bytes": host, "seconds_per_step": seconds}
+        self.tried[length] = row
+        done = (f"fits ({fmt_bytes(row['host_peak'])} host memory above the start, "
+                f"{row['seconds_per_step']:.2f} s a step)") if row["fits"] else "out of memory"
+        self.say(f"  {self.label} {length:>7,} tokens: {done}")
+        return row
+
+    def run(self) -> dict[str, Any]:
+        self._base = process_rss() or 0
+        self.tried = {}
+        fit: Optional[int] = None
+        upper: Optional[int] = None  # the shortest length known (oom) or predicted (host) not to fit
+        oom: Optional[int] = None
+        length, stopped = self.start, ""
+        while True:
+            if length > self.limit:
+                stopped = f"reached the search limit, max_try_length={self.limit:,}"
+                break
+            block = self.blocked(length)
+            if block is not None:
+                stopped = f"{length:,} not tried: {block[1]}"
+                upper = length if block[0] == "host" else None
+                break
+            if not self._try(length)["fits"]:
+                oom = upper = length
+                stopped = f"out of memory at {length:,} tokens"
+                break
+            fit, length = length, length * 2
+        for _ in range(self.refine_steps if fit and upper else 0):
+            middle = (fit + upper) // 2 // 256 * 256
+            if middle in (fit, upper):
+                break
+            block = self.blocked(middle)
+            if block is not None:
+                upper = middle
+                stopped = f"{middle:,} not tried: {block[1]}"
+                continue
+            if self._try(middle)["fits"]:
+                fit = middle
+            else:
+                oom = upper = middle
+                stopped = f"out of memory at {middle:,} tokens"
+        return {"longest_fit": fit, "first_oom": oom, "tried": self.tried, "stopped": stopped}

@@ -42,7 +42,7 @@ class _TrainStageSpeedups(TrainerCallback):
         self.pending: list[Speedup] = []
         self.attached: list[Speedup] = []
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):  # noqa: ANN001 - TrainerCallback's signature
+    def on_train_begin(self, args, state, control, model=None, **kwargs):  # TrainerCallback's signature
         for speedup in self.pending:
             if speedup.attach(model):
                 self.attached.append(speedup)

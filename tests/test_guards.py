@@ -1,4 +1,5 @@
-"""Bad datasets and settings fail before training with an error that names the row or the setting (nbkit.reliability.guards).
+"""Bad datasets and settings fail before training with an error that names the row or the setting
+(nbkit.reliability.guards); rows with nothing to learn are named in a warning, or an error when every row is empty.
 
 Each case builds the smallest dataset that shows the problem and checks the message names what to fix; valid data
 of every format passes; ``FastSFT`` runs the checks before TRL prepares anything, and ``validate_inputs=False``
@@ -241,6 +242,21 @@ def test_from_sharegpt_gives_trls_messages_that_pass_and_mask_the_answers(tokeni
     assert sum(out["assistant_masks"]) > 0  # the chat template now finds the answer
     in_messages = from_sharegpt(Dataset.from_list([{"messages": sharegpt(("human", "q"), ("gpt", "a"))}]))
     assert in_messages[0]["messages"] == chat(("user", "q"), ("assistant", "a"))
+
+
+def test_fastsft_refuses_sharegpt_and_trains_on_its_conversion(tokenizer, tmp_path):
+    from nbkit.demo.models import tiny_model
+    from nbkit.reliability import from_sharegpt
+
+    model = tiny_model("qwen3", len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    data = Dataset.from_list([{"conversations": sharegpt(("human", f"q{i}"), ("gpt", f"a{i}"))} for i in range(8)])
+    args = cfg(output_dir=str(tmp_path), assistant_only_loss=True, max_steps=1, per_device_train_batch_size=2)
+    with pytest.raises(InputError, match="from_sharegpt"):  # not TRL's complaint about the chat template
+        FastSFT(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    trainer = FastSFT(model=model, args=args, train_dataset=from_sharegpt(data), processing_class=tokenizer)
+    labels = next(iter(trainer.get_train_dataloader()))["labels"]
+    assert (labels != -100).any()  # the answers are found and trained on
+    trainer.train()
 
 
 # ---------------------------------------------------------------------------------------------------------------

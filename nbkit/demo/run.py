@@ -43,15 +43,17 @@ import argparse
 import json
 import logging
 import math
-import resource
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-DEFAULT_MAX_STEPS = 300
+from nbkit.demo.models import FAMILIES, TINY_RECIPE, build_base
+from nbkit.generation import generate_answers
+from nbkit.memory import fmt_bytes, peak_bytes
+
+DEFAULT_MAX_STEPS = TINY_RECIPE.max_steps
 DEFAULT_OUTPUT_DIR = "nbkit-demo-out"
 
 
@@ -62,17 +64,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-steps", type=int, default=DEFAULT_MAX_STEPS,
                         help="optimizer steps (default %(default)s)")
-    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help="base model, adapter and trainer output")
+    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
+                        help="base model, adapter and trainer output (default %(default)s)")
     parser.add_argument("--json", dest="json_path", default=None, help="write the metrics to this JSON file")
     parser.add_argument("--baseline", action="store_true", help="train with TRL's plain SFTTrainer instead of FastSFT")
-    parser.add_argument("--family", default="qwen3", help="model family (default %(default)s)")
+    parser.add_argument("--family", default="qwen3", choices=FAMILIES, metavar="FAMILY",
+                        help=f"model family: {', '.join(FAMILIES)} (default %(default)s)")
     parser.add_argument("--no-4bit", dest="load_in_4bit", action="store_false", help="load the base unquantized")
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (default %(default)s)")
-    parser.add_argument("--learning-rate", type=float, default=3e-3, help="peak learning rate (default %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=2, help="packed rows per step (default %(default)s)")
-    parser.add_argument("--max-length", type=int, default=256, help="tokens per packed row (default %(default)s)")
+    parser.add_argument("--learning-rate", type=float, default=TINY_RECIPE.learning_rate,
+                        help="peak learning rate (default %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=TINY_RECIPE.batch_size,
+                        help="packed rows per step (default %(default)s)")
+    parser.add_argument("--max-length", type=int, default=TINY_RECIPE.max_length,
+                        help="tokens per packed row (default %(default)s)")
     parser.add_argument("--eval-examples", type=int, default=64, help="held-out prompts scored (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the base model's weights, the data, LoRA's init and the trainer (default "
+                             "%(default)s)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads on a CPU (default %(default)s: the tiny model's matrices are too small to split)")
     parser.add_argument("--save-steps", type=int, default=50,
@@ -80,10 +89,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in --output-dir (if there is one)")
     args = parser.parse_args(argv)
-    from nbkit.demo.models import FAMILIES
-
-    if args.family not in FAMILIES:
-        parser.error(f"--family {args.family!r}: choose one of {', '.join(FAMILIES)}")
     if args.max_steps < 1:
         parser.error("--max-steps must be >= 1")
     if args.threads < 1:
@@ -101,63 +106,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ---------------------------------------------------------------------------------------------------------------
 # pieces
-
-
-def build_base(folder: Path, family: str, seed: int):
-    """Save a random tiny ``family`` model and the demo tokenizer to ``folder``; return the tokenizer."""
-    from nbkit.demo.models import tiny_model
-    from nbkit.demo.tokenizer import load_demo_tokenizer
-
-    tokenizer = load_demo_tokenizer()
-    model = tiny_model(
-        family,
-        vocab_size=len(tokenizer),
-        seed=seed,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(folder))
-    tokenizer.save_pretrained(str(folder))
-    return tokenizer
-
-
-@torch.no_grad()
-def generate_answers(
-    model, tokenizer, questions: list[str], max_new_tokens: int = 12, batch_size: int = 32
-) -> list[str]:
-    """Greedy answers of ``model`` to chat ``questions`` (left-padded batches), decoded without special tokens."""
-    was_training = model.training
-    model.eval()
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    device = next(p.device for p in model.parameters())
-    answers: list[str] = []
-    try:
-        for start in range(0, len(questions), batch_size):
-            prompts = [
-                tokenizer.apply_chat_template(
-                    [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
-                )
-                for q in questions[start : start + batch_size]
-            ]
-            batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            out = model.generate(
-                **batch,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                use_cache=True,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-            new = out[:, batch["input_ids"].shape[1] :]
-            answers += [text.strip() for text in tokenizer.batch_decode(new, skip_special_tokens=True)]
-    finally:
-        tokenizer.padding_side = side
-        model.train(was_training)
-    return answers
 
 
 @torch.no_grad()
@@ -205,14 +153,6 @@ def packing_efficiency(dataset, max_length: int) -> float:
     """Real tokens / (packed rows x max_length): the share of each packed row that is document, not padding."""
     lengths = [len(ids) for ids in dataset["input_ids"]]
     return sum(lengths) / (len(lengths) * max_length) if lengths else 0.0
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA: peak allocated bytes on ``device``. CPU: peak resident set size of this process."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
 
 
 def _quiet_progress_callback():
@@ -270,10 +210,6 @@ def _tokens_seen(checkpoint: str | None) -> int:
     return int(state.get("num_input_tokens_seen") or 0)
 
 
-def _fmt_bytes(n: int) -> str:
-    return f"{n / 2**20:.0f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # the run
 
@@ -309,7 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         load_in_4bit=args.load_in_4bit,
         lora_r=args.lora_r,
         lora_alpha=args.lora_r,
-        modules_to_save=["embed_tokens", "lm_head"],
+        modules_to_save=list(TINY_RECIPE.modules_to_save),
     )
 
     # enough documents for every step to see fresh ones (about 9 per 256-token row)
@@ -365,7 +301,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         trainer.train()
     seconds = time.perf_counter() - start
-    peak = peak_memory_bytes(device)
+    peak = peak_bytes(device)
 
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     tokens = int(trainer.state.num_input_tokens_seen)
@@ -424,7 +360,7 @@ def _report(m: dict[str, Any]) -> None:
     print(f"loss               {m['loss_first']:.3f} -> {m['loss_last']:.3f}")
     print(f"tokens/s           {m['tokens_per_second']:,.0f} ({m['tokens']:,} tokens)")
     memory_kind = "CUDA allocated" if m["device"] == "cuda" else "process RSS"
-    print(f"peak memory        {_fmt_bytes(m['peak_memory_bytes'])} ({memory_kind})")
+    print(f"peak memory        {fmt_bytes(m['peak_memory_bytes'])} ({memory_kind})")
     print(f"packing efficiency {m['packing_efficiency']:.1%}")
     print(f"exact match        {m['eval_accuracy_before']:.0%} -> {m['eval_accuracy_after']:.0%} "
           f"on {m['eval_examples']} held-out prompts")

@@ -261,7 +261,7 @@ def check_rows(name: str, dataset: Any, fmt: DataFormat, args: Any = None,
             chat = row[fmt.fields[0]]
             form = sharegpt_form(fmt.fields[0], chat)
             if form:
-                sharegpt.setdefault(form, []).append(i)
+                _note(sharegpt, form, i)
                 continue  # its roles and keys are checked again once converted
             problem = _chat_problem(chat, needs_assistant=assistant_only)
             if problem:
@@ -275,7 +275,7 @@ def check_rows(name: str, dataset: Any, fmt: DataFormat, args: Any = None,
                 if fmt.conversational:
                     form = sharegpt_form(key, value)
                     if form:
-                        sharegpt.setdefault(form, []).append(i)
+                        _note(sharegpt, form, i)
                         continue
                     needs = key == "completion" and (completion_only or assistant_only)
                     problem = _chat_problem(value, needs_assistant=needs)
@@ -294,6 +294,12 @@ def check_rows(name: str, dataset: Any, fmt: DataFormat, args: Any = None,
         _report_blank(name, fmt, blank, seen, checked_all=limit is None)
 
 
+def _note(found: dict[str, list[int]], form: str, row: int) -> None:
+    rows = found.setdefault(form, [])
+    if not rows or rows[-1] != row:  # prompt and completion of one row: named once
+        rows.append(row)
+
+
 def _raise_sharegpt(name: str, found: dict[str, list[int]], seen: int) -> None:
     parts = [f"{form} in {_row_list(rows)}" for form, rows in found.items()]
     count = len({r for rows in found.values() for r in rows})
@@ -309,24 +315,27 @@ def _raise_sharegpt(name: str, found: dict[str, list[int]], seen: int) -> None:
 def _report_blank(name: str, fmt: DataFormat, rows: list[int], seen: int, checked_all: bool) -> None:
     """Every checked row blank: ``InputError``; some: one warning naming them and how to drop them."""
     field = fmt.fields[0]
+    answers = "each teaches the model to answer with nothing"
     if fmt.kind == "text":
         what, harm = f"an empty '{field}'", "each trains on nothing but the end-of-text token"
         keep = f"lambda row: row[{field!r}].strip() != ''"
     elif fmt.kind == "messages":
-        what, harm = "only empty assistant turns", "each teaches the model to answer with nothing"
+        what, harm = "only empty assistant turns", answers
         keep = (f"lambda row: any(m['content'].strip() for m in row[{field!r}] if m['role'] == 'assistant')")
     elif fmt.conversational:
-        what, harm = "an empty completion", "each teaches the model to answer with nothing"
+        what, harm = "an empty completion", answers
         keep = "lambda row: any(m['content'].strip() for m in row['completion'] if m['role'] == 'assistant')"
     else:
-        what, harm = "an empty completion", "each teaches the model to answer with nothing"
+        what, harm = "an empty completion", answers
         keep = "lambda row: row['completion'].strip() != ''"
     if len(rows) == seen:
         scope = "every row" if checked_all else f"each of the first {seen} rows"
+        nothing = ("the loss would be 0, the gradients 0" if fmt.kind == "text" else
+                   "only end-of-turn tokens would train: the model would learn to answer with nothing")
         raise InputError(
-            f"{scope} of {name} has {what}: there is nothing to train on (the loss would be 0, the gradients 0). "
-            f"Check which column holds the data (dataset_text_field for plain text) and what the preprocessing left "
-            "in it; validate_inputs=False skips this check"
+            f"{scope} of {name} has {what}: there is nothing to train on ({nothing}). Check which column holds the "
+            "data (dataset_text_field for plain text) and what the preprocessing left in it; validate_inputs=False "
+            "skips this check"
         )
     scope = f"{len(rows)} of {seen} rows" if checked_all else f"{len(rows)} of the first {seen} rows"
     logger.warning("nbkit: %s of %s have %s (%s): %s. Drop them before training: %s = %s.filter(%s)",

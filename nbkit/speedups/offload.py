@@ -45,6 +45,7 @@ import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ..ops.offload_lanes import OffloadStats, _Lane, _Packed
+from ..settings import check_value
 from .ledger import PatchLedger, unwrap_model
 
 logger = logging.getLogger(__name__)
@@ -181,8 +182,7 @@ class OffloadedCheckpointing:
         self, mode: Mode = "auto", double_buffer: bool = True, min_bytes: int = 16 * _MiB, max_inflight: int = 2,
         trace: int = 0,
     ) -> None:
-        if mode not in (True, False, "auto"):
-            raise ValueError(f"mode={mode!r}: use True, False or 'auto'")
+        check_value("offload_checkpointing", mode)
         self.mode, self.double_buffer, self.min_bytes = mode, double_buffer, int(min_bytes)
         self.max_inflight = max(1, int(max_inflight))  # D2H copies the host may run ahead of before waiting
         self.stats = OffloadStats()

@@ -38,11 +38,11 @@ from ..ops.reference_attention import AttnCall
 from ..ops.sink_attention import sink_kernel_works
 from ..ops.varlen_attention import (
     KERNEL_FNS,
-    KERNELS,
     PackedRun,
     flash_attn_available,
     varlen_available,
 )
+from ..settings import check_value
 from .ledger import PatchLedger, unwrap_model
 
 logger = logging.getLogger(__name__)
@@ -146,7 +146,8 @@ def nbkit_attention_forward(
     q = query.transpose(1, 2).reshape(bsz * seq, query.shape[1], query.shape[3])
     k = key.transpose(1, 2).reshape(bsz * seq, key.shape[1], key.shape[3])
     v = value.transpose(1, 2).reshape(bsz * seq, value.shape[1], value.shape[3])
-    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)) and run.kernel in (KERNEL_FNS["varlen"], KERNEL_FNS["flash_attn"]):
+    fused = (KERNEL_FNS["varlen"], KERNEL_FNS["flash_attn"])
+    if run.kernel in fused and not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
         kernel = KERNEL_FNS["sdpa_loop"]  # fp32 or CPU tensors: the fused kernels do not run them
     else:
         kernel = run.kernel
@@ -181,8 +182,7 @@ class PackedAttention:
     name = "cached_packing"
 
     def __init__(self, kernel: str = "auto") -> None:
-        if kernel not in ("auto", *KERNELS):
-            raise ValueError(f"attention kernel {kernel!r}: choose 'auto' or one of {KERNELS}")
+        check_value("attention_kernel", kernel)
         self.requested = kernel
         self.kernel: str | None = None
         self.metadata_builds = 0  # forwards whose metadata had to be derived in the forward (no collator)
@@ -255,7 +255,8 @@ class PackedAttention:
     def _pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self.forwards += 1
         past = kwargs.get("past_key_values")
-        has_cache = past is not None and (not hasattr(past, "get_seq_length") or past.get_seq_length() > 0 or kwargs.get("use_cache"))
+        has_cache = past is not None and (not hasattr(past, "get_seq_length") or past.get_seq_length() > 0
+                                          or kwargs.get("use_cache"))
         if kwargs.get("attention_mask") is not None or has_cache or args:
             # A padded batch or generation: this call runs on the original implementation, with its own mask.
             self.plain_forwards += 1

@@ -1,0 +1,51 @@
+"""Greedy chat answers of a causal LM: what ``python -m nbkit demo`` and the notebooks score before and after training.
+
+Why its own module: the demo (a CLI) and ``nbkit.notebook`` (notebook plumbing) both answer held-out prompts the same
+way, and neither should import the other for it.
+
+Contract of ``generate_answers``: each question becomes one user turn in the tokenizer's chat template with the
+generation prompt added; prompts are left-padded in batches; decoding is greedy (``do_sample=False``) and stops at
+the tokenizer's end of turn or after ``max_new_tokens``; the answer is the decoded new tokens without special tokens,
+stripped. The model's train/eval mode and the tokenizer's padding side are restored afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+
+@torch.no_grad()
+def generate_answers(
+    model: torch.nn.Module, tokenizer: Any, questions: Sequence[str], max_new_tokens: int = 12, batch_size: int = 32
+) -> list[str]:
+    """Greedy answers of ``model`` to chat ``questions`` (left-padded batches), decoded without special tokens."""
+    was_training = model.training
+    model.eval()
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    device = next(p.device for p in model.parameters())
+    answers: list[str] = []
+    try:
+        for start in range(0, len(questions), batch_size):
+            prompts = [
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+                )
+                for q in questions[start : start + batch_size]
+            ]
+            batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            out = model.generate(
+                **batch,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            new = out[:, batch["input_ids"].shape[1] :]
+            answers += [text.strip() for text in tokenizer.batch_decode(new, skip_special_tokens=True)]
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+    return answers
