@@ -7,32 +7,39 @@
 #   2. records the versions of the key packages (to tell later whether a runtime restart is needed);
 #   3. pins the torch already installed (and torchvision/torchaudio, when present) in a pip constraints file, so
 #      no dependency can replace it: pip fails instead of swapping torch;
-#   4. installs nbkit from PyPI (default), a git URL or a local path, with versions of its dependencies (transformers,
-#      trl, peft, bitsandbytes, datasets, accelerate, ipywidgets) that nbkit's own metadata declares compatible;
-#   5. with --flash only: installs flash-attn if a prebuilt wheel for this runtime can be downloaded (never builds it
+#   4. removes a distribution named "nbkit" if there is one: nbkit's distribution is named nbkit-sft (the import
+#      stays `nbkit`), and "nbkit" on PyPI is an unrelated project whose files would shadow these;
+#   5. installs nbkit-sft from GitHub (default), a wheel, a local checkout or any requirement for nbkit-sft, with
+#      versions of its dependencies (transformers, trl, peft, bitsandbytes, datasets, accelerate, ipywidgets) that
+#      its own metadata declares compatible, then checks that `import nbkit` finds this project;
+#   6. with --flash only: installs flash-attn if a prebuilt wheel for this runtime can be downloaded (never builds it
 #      from source) and it imports against the installed torch; otherwise says why it skipped it;
-#   6. prints the GPU, its compute capability, bf16 or fp16, the key versions, and whether to restart the runtime.
+#   7. prints the GPU, its compute capability, bf16 or fp16, the key versions, and whether to restart the runtime.
 #
 # It downloads and runs no remote script. --dry-run prints every command that would change something and runs none
 # of them (detection still runs). Run it from a notebook cell with:  !bash colab_setup.sh [options]
 
 set -euo pipefail
 
+DEFAULT_SOURCE="nbkit-sft @ git+https://github.com/nbkit/nbkit"
+
 usage() {
-    cat <<'EOF'
+    cat <<EOF
 Usage: bash colab_setup.sh [--from SOURCE] [--flash] [--dry-run] [--python PYTHON]
 
-  --from SOURCE    where nbkit comes from: "pypi" (default), a pip requirement such as "nbkit==0.1.0",
-                   a git URL (git+https://github.com/OWNER/nbkit.git[@REF]) or a local path to a checkout
+  --from SOURCE    what to install nbkit from (its distribution is nbkit-sft; the import stays nbkit):
+                   a requirement for nbkit-sft (default: "$DEFAULT_SOURCE";
+                   "nbkit-sft==0.1.0" once it is on PyPI), a git URL (git+https://github.com/OWNER/nbkit[@REF]),
+                   a wheel (nbkit_sft-*.whl) or a local checkout
   --flash          also install flash-attn, only if a prebuilt wheel fits this runtime (pip's index and
                    PIP_FIND_LINKS / PIP_EXTRA_INDEX_URL are searched; it is never built from source)
   --dry-run        print the commands that would install anything, run none of them
-  --python PYTHON  the Python to install into (default: $PYTHON, else python3, else python)
+  --python PYTHON  the Python to install into (default: \$PYTHON, else python3, else python)
   -h, --help       this text
 EOF
 }
 
-SOURCE="pypi"
+SOURCE="$DEFAULT_SOURCE"
 FLASH=0
 DRY_RUN=0
 PY="${PYTHON:-}"
@@ -74,20 +81,28 @@ fi
 command -v "$PY" >/dev/null 2>&1 || { echo "colab_setup.sh: python '$PY' not found" >&2; exit 1; }
 
 # ---- where nbkit comes from ---------------------------------------------------------------------------------------
-case "$SOURCE" in
-    pypi) NBKIT_REQ="nbkit" ;;
-    git+*) NBKIT_REQ="nbkit @ $SOURCE" ;;
-    *://*) echo "colab_setup.sh: --from $(printf '%s' "$SOURCE" | mask): use a git+https:// URL, a local path or a requirement" >&2; exit 2 ;;
-    *)
-        if [[ -d "$SOURCE" ]]; then
-            [[ -f "$SOURCE/pyproject.toml" ]] || { echo "colab_setup.sh: $SOURCE has no pyproject.toml" >&2; exit 2; }
-            NBKIT_REQ="$(cd "$SOURCE" && pwd)"
-        elif [[ "$SOURCE" == nbkit* ]]; then
-            NBKIT_REQ="$SOURCE"
-        else
-            echo "colab_setup.sh: --from $SOURCE: no such directory, and not a requirement for nbkit" >&2; exit 2
-        fi ;;
-esac
+bad_source() { printf 'colab_setup.sh: --from %s: %s\n' "$SOURCE" "$1" | mask >&2; exit 2; }
+OTHER_NBKIT='"nbkit" on PyPI is an unrelated project; this one is the distribution nbkit-sft'
+if [[ "$SOURCE" =~ ^nbkit[-_.]sft([^A-Za-z0-9_.-]|$) ]]; then
+    NBKIT_REQ="$SOURCE"
+elif [[ "$SOURCE" == git+* ]]; then
+    NBKIT_REQ="nbkit-sft @ $SOURCE"
+elif [[ "$SOURCE" == pypi ]]; then
+    bad_source "nbkit-sft is not on PyPI yet: leave --from out (it installs \"$DEFAULT_SOURCE\")"
+elif [[ "$SOURCE" =~ ^nbkit([^A-Za-z0-9_.-]|$) ]]; then
+    bad_source "$OTHER_NBKIT (--from \"nbkit-sft ...\")"
+elif [[ "$SOURCE" == *://* ]]; then
+    bad_source "use a git+https:// URL, a wheel, a local checkout or a requirement for nbkit-sft"
+elif [[ -d "$SOURCE" ]]; then
+    [[ -f "$SOURCE/pyproject.toml" ]] || bad_source "this directory has no pyproject.toml"
+    grep -Eq "^name *= *[\"']nbkit[-_]sft[\"']" "$SOURCE/pyproject.toml" || bad_source "not a checkout of nbkit-sft"
+    NBKIT_REQ="$(cd "$SOURCE" && pwd)"
+elif [[ -f "$SOURCE" && "$SOURCE" == *.whl ]]; then
+    [[ "$(basename "$SOURCE")" == nbkit_sft-* ]] || bad_source "not an nbkit-sft wheel (nbkit_sft-*.whl): $OTHER_NBKIT"
+    NBKIT_REQ="$(cd "$(dirname "$SOURCE")" && pwd)/$(basename "$SOURCE")"
+else
+    bad_source "no such directory or wheel, and not a requirement for nbkit-sft"
+fi
 
 # ---- platform ------------------------------------------------------------------------------------------------------
 detect_platform() {
@@ -105,7 +120,7 @@ PLATFORM="$(detect_platform)"
 say "platform: $PLATFORM; python: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
 
 # ---- versions (from package metadata: nothing is imported) ---------------------------------------------------------
-KEY_PACKAGES="torch transformers trl peft bitsandbytes datasets accelerate ipywidgets nbkit liger-kernel flash-attn"
+KEY_PACKAGES="torch transformers trl peft bitsandbytes datasets accelerate ipywidgets nbkit-sft liger-kernel flash-attn"
 PINNED="torch torchvision torchaudio"  # the runtime's builds, kept as they are
 
 versions() {
@@ -146,6 +161,44 @@ else
     say "keeping the runtime's torch: constraints $(paste -sd' ' "$CONSTRAINTS")"
 fi
 
+# ---- a distribution named "nbkit" is not this project: remove it ---------------------------------------------------
+# Both install the package directory nbkit/, so the one installed last wins `import nbkit`, and uninstalling one
+# later deletes the other's files. A distribution named "nbkit" is PyPI's unrelated project, or this project under
+# the name it had before it became nbkit-sft; either way it goes, and nbkit-sft is installed afresh.
+other_nbkit() {
+    "$PY" - <<'EOF'
+import sys
+from importlib import metadata
+sys.path[:] = [p for p in sys.path if p not in ("", ".")]  # not the working directory (a checkout's egg-info)
+try:
+    dist = metadata.distribution("nbkit")
+except metadata.PackageNotFoundError:
+    raise SystemExit(0)
+urls = " ".join([dist.metadata.get("Home-page") or ""] + (dist.metadata.get_all("Project-URL") or []))
+kind = "former" if "github.com/nbkit/nbkit" in urls else "other"
+print(dist.version, kind, " ".join((dist.metadata.get("Summary") or "").split())[:100])
+EOF
+}
+OTHER="$(other_nbkit)"
+if [[ -n "$OTHER" ]]; then
+    read -r other_version other_kind other_summary <<<"$OTHER"
+    if [[ "$other_kind" == former ]]; then
+        say "found the distribution 'nbkit' $other_version: this project under its former name; replacing it"
+        say "with nbkit-sft (the same import, nbkit)"
+    else
+        say "found the distribution 'nbkit' $other_version (${other_summary:-no summary}): an unrelated project whose"
+        say "files would shadow this one's (import nbkit would load it). Removing it: $OTHER_NBKIT."
+    fi
+    REMOVE=(nbkit)
+    if [[ "$(version_of nbkit-sft "$BEFORE")" != "-" ]]; then
+        REMOVE+=(nbkit-sft)  # its files under nbkit/ may be the other's now: installed afresh below
+    fi
+    if ! run "$PY" -m pip uninstall -y "${REMOVE[@]}"; then
+        say "ERROR: pip could not uninstall 'nbkit'. Run: $PY -m pip uninstall -y nbkit, then this script again."
+        exit 1
+    fi
+fi
+
 PIP=("$PY" -m pip install --upgrade --upgrade-strategy only-if-needed --progress-bar off -c "$CONSTRAINTS")
 say "installing nbkit from $SOURCE"
 if ! run "${PIP[@]}" "$NBKIT_REQ"; then
@@ -155,6 +208,23 @@ if ! run "${PIP[@]}" "$NBKIT_REQ"; then
     fi
     say "If pip reports a conflict with torch==$TORCH_VERSION, this nbkit needs another torch than the runtime has."
     exit 1
+fi
+
+# ---- `import nbkit` must find this project ---------------------------------------------------------------------------
+# nbkit.setup --check (metadata and files only) run from /, so that a checkout in the working directory does not
+# stand in for what was installed; when it cannot even run, `import nbkit` is not this project either.
+if [[ $DRY_RUN -eq 0 ]]; then
+    PY_PATH="$("$PY" -c 'import sys; print(sys.executable)')"
+    if CHECK="$(cd / && "$PY_PATH" -m nbkit.setup --check 2>&1)"; then
+        say "$CHECK"
+    else
+        say "ERROR: $(tail -n 1 <<<"$CHECK")"
+        if [[ "$CHECK" != *"does not load this project"* ]]; then
+            say "ERROR: import nbkit does not load this project (nbkit-sft). Run: $PY -m pip uninstall -y nbkit"
+            say "       nbkit-sft, then this script again."
+        fi
+        exit 1
+    fi
 fi
 
 # ---- GPU ----------------------------------------------------------------------------------------------------------

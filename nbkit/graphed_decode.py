@@ -130,9 +130,10 @@ class _Step:
     def attend(self, module: torch.nn.Module, query: torch.Tensor, mask: torch.Tensor | None,
                kwargs: dict) -> torch.Tensor:
         layer = self.layers[module.layer_idx]
-        if mask is not None and not self.eager_impl:
-            raise Unsupported("the model's one-token step passes an attention mask to sdpa")
         if not self.capturing:
+            # the warm-up step runs as generate's does (under capture transformers builds a mask it would skip)
+            if mask is not None and not self.eager_impl:
+                raise Unsupported("the model's one-token step passes an attention mask to sdpa")
             out = self._eager(module, query, layer, layer.length, kwargs)
             self.out_like[module.layer_idx] = out
             return out

@@ -20,6 +20,7 @@ Memory figures are read and formatted by ``nbkit.memory`` (``fmt_bytes`` for dis
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import math
 import re
@@ -292,6 +293,18 @@ class HostPeak:
         self._sample()
 
 
+def trim_host_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc's ``malloc_trim``; elsewhere nothing happens).
+
+    Why: memory a step freed stays in the heap, resident, and the next step reuses it without growing the resident
+    set; a measurement above a resident set that still holds it would miss that part of the next step's need.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def forecast(points: Sequence[tuple[int, float]], length: int) -> Optional[float]:
     """What a quantity measured at shorter lengths (``points``: (length, value)) will be at ``length``, erring high.
 
@@ -355,6 +368,7 @@ class LengthSearch:
         used, total = self.read_host()
         if host is not None and used is not None and total is not None:
             available = total - used
+            trim_host_heap()
             held = max(0, (process_rss() or self._base) - self._base)
             if host - held > self.host_fraction * available:
                 return "host", (f"a step at {length:,} tokens would need about {fmt_bytes(int(host))} of host memory, "
@@ -367,6 +381,7 @@ class LengthSearch:
 
     def _try(self, length: int) -> dict:
         host, seconds = self.predicted(length)
+        trim_host_heap()
         with self.watch() as peak:
             row = dict(self.try_length(length))
         row["host_peak"] = max(0, peak.peak - self._base)
@@ -378,6 +393,7 @@ class LengthSearch:
         return row
 
     def run(self) -> dict[str, Any]:
+        trim_host_heap()
         self._base = process_rss() or 0
         self.tried = {}
         fit: Optional[int] = None

@@ -1,31 +1,39 @@
 """``python -m nbkit.setup`` (and ``python -m nbkit setup``): run the shipped ``colab_setup.sh`` in this Python.
 
-Why a module: a PyPI install has no checkout, so the setup script travels inside the package (``nbkit/colab_setup.sh``,
-package data) and this module finds and runs it. A notebook on Colab or Kaggle bootstraps with two commands that
-cannot replace the runtime's torch::
+Why a module: an installed nbkit has no checkout, so the setup script travels inside the package
+(``nbkit/colab_setup.sh``, package data) and this module finds and runs it. nbkit's distribution is named
+``nbkit-sft`` (the import stays ``nbkit``; "nbkit" on PyPI is an unrelated project). A notebook on Colab or Kaggle
+bootstraps with two commands that cannot replace the runtime's torch::
 
-    %pip install --no-deps nbkit        # nbkit alone: no dependency is resolved, so torch is not touched
-    !python -m nbkit.setup --from pypi  # the script pins torch, then installs nbkit's dependencies
+    %pip install --no-deps "nbkit-sft @ git+https://github.com/nbkit/nbkit"  # alone: no dependency is resolved
+    !python -m nbkit.setup  # the script pins torch, then installs nbkit's dependencies (--from: what to install)
 
-Every argument is passed to the script unchanged (``--from``, ``--flash``, ``--dry-run``; ``--help`` lists them);
-``--python`` defaults to this interpreter. The script's output is streamed line by line (a notebook shows it live,
-which ``subprocess.run`` without capture would not: the child would write to the kernel's own terminal).
+``main`` (``python -m nbkit setup``, ``python -m nbkit.setup``, ``nbkit setup``) takes the script's options,
+``--from SOURCE`` (default ``DEFAULT_SOURCE``), ``--flash``, ``--dry-run``, ``--python`` (default: this
+interpreter), with a usage of its own, and ``--check``: say which ``nbkit`` this Python imports (``which_nbkit``;
+the script runs it after installing). ``run_setup(args)`` passes ``args`` to the script unchanged. The script's
+output is streamed line by line (a notebook shows it live, which ``subprocess.run`` without capture would not: the
+child would write to the kernel's own terminal).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
-from importlib import resources
+from importlib import machinery, metadata, resources
 from pathlib import Path
 from typing import Optional, Sequence, TextIO
 
 SCRIPT_NAME = "colab_setup.sh"
 RESTART_MARKER = "NBKIT_RESTART_NEEDED="
+DISTRIBUTION = "nbkit-sft"  # what pip calls this project; the import is nbkit
+DEFAULT_SOURCE = "nbkit-sft @ git+https://github.com/nbkit/nbkit"  # until nbkit-sft is on PyPI
+_MODULES = {DISTRIBUTION: "nbkit"}  # distributions whose import name is not theirs with "_" for "-"
 
 
 def detect_platform(environ: Optional[dict] = None) -> str:
@@ -47,6 +55,39 @@ def script_path() -> Path:
     if checkout.is_file():
         return checkout
     raise FileNotFoundError(f"{SCRIPT_NAME} is neither in the nbkit package nor beside it: reinstall nbkit")
+
+
+@dataclass(frozen=True)
+class ImportCheck:
+    """Which ``nbkit`` an ``import nbkit`` in this Python finds."""
+
+    owners: tuple[str, ...]  # the distributions that install a top-level package nbkit (normalized names)
+    path: Optional[str]  # the package directory found (None: no nbkit at all)
+    ours: bool  # this project: nbkit-sft alone owns the package, which holds setup.py and colab_setup.sh
+
+    def describe(self) -> str:
+        if self.ours:
+            return f"import nbkit: this project ({DISTRIBUTION}), from {self.path}"
+        owners = ",".join(self.owners) or "no distribution"
+        return (f"import nbkit does not load this project ({DISTRIBUTION}): it finds {self.path or 'nothing'}, "
+                f"installed by '{owners}'. Run: {sys.executable} -m pip uninstall -y nbkit {DISTRIBUTION}, then "
+                f"install {DISTRIBUTION} again (colab_setup.sh does both)")
+
+
+def which_nbkit() -> ImportCheck:
+    """Which ``nbkit`` ``import nbkit`` finds here, from metadata and files only: nothing is imported or changed.
+
+    The working directory is left out of the search, so a checkout there does not stand in for what is installed.
+    Why it matters: "nbkit" on PyPI is an unrelated project that installs the same package directory; whichever was
+    installed last owns ``nbkit/__init__.py``.
+    """
+    names = metadata.packages_distributions().get("nbkit", [])
+    owners = tuple(sorted({re.sub(r"[-_.]+", "-", name).lower() for name in names}))
+    spec = machinery.PathFinder.find_spec("nbkit", [p for p in sys.path if p not in ("", ".")])
+    places = list(spec.submodule_search_locations or []) if spec is not None else []
+    ours = [p for p in places if all(os.path.isfile(os.path.join(p, f)) for f in ("setup.py", SCRIPT_NAME))]
+    path = ours[0] if ours else (places[0] if places else None)
+    return ImportCheck(owners, path, owners == (DISTRIBUTION,) and bool(ours))
 
 
 _CHANGED = re.compile(r"^\s{4}(\S+)\s+(\S+) \(was (\S+)\)\s*$")
@@ -75,7 +116,7 @@ class SetupResult:
         """
         stale = []
         for name, (before, _after) in self.changed.items():
-            module = name.replace("-", "_")
+            module = _MODULES.get(name, name.replace("-", "_"))
             if before != "-" and module in sys.modules:
                 stale.append(name)
         return stale
@@ -106,9 +147,41 @@ def run_setup(args: Sequence[str] = (), stream: Optional[TextIO] = None) -> Setu
     return SetupResult(proc.returncode, restart, "".join(lines))
 
 
+def parse_args(argv: Sequence[str]) -> Optional[list[str]]:
+    """``nbkit setup``'s options, checked, as the script's arguments (``--python`` always set); None for
+    ``--check``."""
+    parser = argparse.ArgumentParser(
+        prog="nbkit setup",
+        description="Install nbkit (the distribution nbkit-sft) and its dependencies into this Python without "
+                    "replacing its torch: pins the installed torch, removes a distribution named 'nbkit' (an "
+                    "unrelated project on PyPI) if there is one, installs, checks that 'import nbkit' finds this "
+                    "project, and reports the GPU, precision, versions and whether to restart. Runs the "
+                    f"{SCRIPT_NAME} shipped in the package.",
+    )
+    parser.add_argument("--from", dest="source", default=DEFAULT_SOURCE, metavar="SOURCE",
+                        help="what to install: a requirement for nbkit-sft (default: %(default)r), a git URL "
+                             "(git+https://github.com/OWNER/nbkit[@REF]), a wheel (nbkit_sft-*.whl) or a checkout")
+    parser.add_argument("--flash", action="store_true",
+                        help="also install flash-attn, only as a prebuilt wheel that fits this runtime")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands that would install, run none")
+    parser.add_argument("--python", default=sys.executable,
+                        help="the Python to install into (default: this one, %(default)s)")
+    parser.add_argument("--check", action="store_true",
+                        help="install nothing: say which nbkit this Python imports (exit 1 when not this project)")
+    args = parser.parse_args(list(argv))
+    if args.check:
+        return None
+    return (["--from", args.source, "--python", args.python] + (["--flash"] if args.flash else [])
+            + (["--dry-run"] if args.dry_run else []))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    result = run_setup(sys.argv[1:] if argv is None else argv)
-    return result.returncode
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args is None:
+        check = which_nbkit()
+        print(check.describe())
+        return 0 if check.ours else 1
+    return run_setup(args).returncode
 
 
 if __name__ == "__main__":

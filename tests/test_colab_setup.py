@@ -1,14 +1,19 @@
-"""Tests for colab_setup.sh: platform detection, torch pinning, nbkit sources, flash-attn only on request and only as
-a fitting wheel, the GPU/precision report, restart detection, and shellcheck.
+"""Tests for colab_setup.sh: platform detection, torch pinning, nbkit sources (the distribution nbkit-sft), the
+removal of a distribution named "nbkit" (PyPI's is an unrelated project), the check that ``import nbkit`` finds this
+project, flash-attn only on request and only as a fitting wheel, the GPU/precision report, restart detection, and
+shellcheck.
 
-Runs on a CPU box: GPUs are faked with an ``nvidia-smi`` script on PATH, preinstalled versions with ``*.dist-info``
-folders on PYTHONPATH (``importlib.metadata`` finds those first), and, for the runs that are not dry, pip with a
-``python`` wrapper that answers ``-m pip`` itself and hands everything else to the real interpreter.
+Runs on a CPU box: the script runs a fresh virtual environment's Python (no site packages: what this machine has
+installed cannot leak in), GPUs are faked with an ``nvidia-smi`` script on PATH, installed distributions with
+``*.dist-info`` folders on PYTHONPATH, and, for the runs that are not dry, pip with a ``python`` wrapper that answers
+``-m pip`` itself (installing and uninstalling fake distributions in that folder) and hands everything else to the
+venv's interpreter. tests/test_packaging.py runs the same removal with the real pip and a real fake wheel.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -17,15 +22,32 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "colab_setup.sh"
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "colab_setup.sh"
 BASH = shutil.which("bash")
 pytestmark = pytest.mark.skipif(BASH is None, reason="needs bash")
+DEFAULT_SOURCE = "nbkit-sft @ git+https://github.com/nbkit/nbkit"
+OURS = "nbkit-sft=0.1.0:nbkit"  # what the fake pip installs by default: this project, its package nbkit/
 
 
-def fake_dist(site: Path, name: str, version: str) -> None:
+def fake_dist(site: Path, name: str, version: str, summary: str = "", homepage: str = "",
+              package: str = "") -> None:
+    """An installed distribution: its metadata, and with ``package`` a top-level package directory it owns."""
     info = site / f"{name.replace('-', '_')}-{version}.dist-info"
     info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    meta += f"Summary: {summary}\n" if summary else ""
+    meta += f"Home-page: {homepage}\n" if homepage else ""
+    (info / "METADATA").write_text(meta)
+    if package:
+        (info / "top_level.txt").write_text(package + "\n")
+        (site / package).mkdir(exist_ok=True)
+        (site / package / "__init__.py").write_text("")
+
+
+def unrelated_nbkit(site: Path) -> None:
+    """PyPI's "nbkit" 0.0.10, an unrelated project, with its own nbkit/ package (no setup.py, no colab_setup.sh)."""
+    fake_dist(site, "nbkit", "0.0.10", summary="jupyter notebook toolkit", package="nbkit")
 
 
 def fake_gpu(bin_dir: Path, csv_line: str | None) -> None:
@@ -38,7 +60,10 @@ def fake_gpu(bin_dir: Path, csv_line: str | None) -> None:
 
 
 FAKE_PYTHON = r"""#!/usr/bin/env bash
-# answers `python -m pip ...` (logging it), passes everything else to the real python
+# answers `python -m pip ...` (logging it), passes everything else to the real python.
+# install: creates the distributions of FAKE_INSTALLS ("name=version[:package] ..."; a package gets the files of
+# this project's nbkit/ that `nbkit.setup --check` needs); uninstall: removes the named distributions and the
+# packages they own.
 if [[ "$1" == "-m" && "$2" == "pip" ]]; then
     echo "PIP ${*:3}" >>"$FAKE_LOG"
     prev=""
@@ -48,13 +73,32 @@ if [[ "$1" == "-m" && "$2" == "pip" ]]; then
         prev="$a"
     done
     if [[ "$3" == "download" && -z "$FAKE_WHEEL" ]]; then echo "ERROR: No matching distribution" >&2; exit 1; fi
+    if [[ "$3" == "uninstall" ]]; then
+        [[ -n "$FAKE_UNINSTALL_NOOP" ]] && exit 0
+        for n in "${@:4}"; do
+            [[ "$n" == -* ]] && continue
+            for info in "$FAKE_SITE/${n//-/_}"-*.dist-info; do
+                [[ -d "$info" ]] || continue
+                if [[ -f "$info/top_level.txt" ]]; then
+                    while read -r top; do rm -rf "${FAKE_SITE:?}/$top"; done <"$info/top_level.txt"
+                fi
+                rm -rf "$info"
+            done
+        done
+    fi
     if [[ "$3" == "install" ]]; then
         [[ -n "$FAKE_PIP_FAIL" ]] && exit 1
         for d in $FAKE_INSTALLS; do
-            name="${d%%=*}"; ver="${d#*=}"
-            info="$FAKE_SITE/${name}-${ver}.dist-info"
+            spec="${d%%:*}"; pkg=""; [[ "$d" == *:* ]] && pkg="${d#*:}"
+            name="${spec%%=*}"; ver="${spec#*=}"
+            info="$FAKE_SITE/${name//-/_}-${ver}.dist-info"
             mkdir -p "$info"
             printf 'Metadata-Version: 2.1\nName: %s\nVersion: %s\n' "$name" "$ver" >"$info/METADATA"
+            if [[ -n "$pkg" ]]; then
+                echo "$pkg" >"$info/top_level.txt"
+                mkdir -p "$FAKE_SITE/$pkg"
+                cp "$FAKE_PACKAGE/__init__.py" "$FAKE_PACKAGE/setup.py" "$FAKE_PACKAGE/colab_setup.sh" "$FAKE_SITE/$pkg/"
+            fi
         done
     fi
     exit 0
@@ -64,28 +108,32 @@ exec "$REAL_PYTHON" "$@"
 
 
 class Setup:
-    """One sandbox: a bin dir (fake nvidia-smi, maybe a fake python) and a site dir of fake installed versions."""
+    """One sandbox: a bin dir (fake nvidia-smi, maybe a fake python), a site dir of fake installed distributions,
+    and a bare venv's Python, which sees only those."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, python: str) -> None:
         self.tmp = tmp_path
         self.bin = tmp_path / "bin"
         self.site = tmp_path / "site"
         self.bin.mkdir()
         self.site.mkdir()
-        self.python = sys.executable
+        self.python = self.bare_python = python
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("COLAB_", "KAGGLE_", "PIP_"))}
         self.env.update(PATH=f"{self.bin}{os.pathsep}{self.env.get('PATH', '')}", PYTHONPATH=str(self.site),
-                        CUDA_VISIBLE_DEVICES="")
+                        CUDA_VISIBLE_DEVICES="", PYTHONNOUSERSITE="1")
 
-    def fake_pip(self, installs: str = "", wheel: str = "", fail: bool = False) -> Path:
-        """Use the pip-answering python wrapper; ``installs`` ("name=version ...") appear installed after pip."""
+    def fake_pip(self, installs: str = "", wheel: str = "", fail: bool = False, ours: bool = True,
+                 uninstall_noop: bool = False) -> Path:
+        """Use the pip-answering python wrapper; ``installs`` ("name=version[:package] ...") appear installed after
+        pip, and with ``ours`` this project (nbkit-sft and its package nbkit/) too."""
         wrapper = self.bin / "fakepython"
         wrapper.write_text(FAKE_PYTHON)
         wrapper.chmod(0o755)
         self.python = str(wrapper)
-        self.env.update(REAL_PYTHON=sys.executable, FAKE_LOG=str(self.tmp / "pip.log"), FAKE_DIR=str(self.tmp),
-                        FAKE_SITE=str(self.site), FAKE_INSTALLS=installs, FAKE_WHEEL=wheel,
-                        FAKE_PIP_FAIL="1" if fail else "")
+        self.env.update(REAL_PYTHON=self.bare_python, FAKE_LOG=str(self.tmp / "pip.log"), FAKE_DIR=str(self.tmp),
+                        FAKE_SITE=str(self.site), FAKE_INSTALLS=" ".join(filter(None, [installs, OURS if ours else ""])),
+                        FAKE_WHEEL=wheel, FAKE_PIP_FAIL="1" if fail else "", FAKE_PACKAGE=str(ROOT / "nbkit"),
+                        FAKE_UNINSTALL_NOOP="1" if uninstall_noop else "")
         return self.tmp / "pip.log"
 
     def run(self, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -104,9 +152,17 @@ def assert_torch_untouched(cmds: list[list[str]]) -> None:
             assert not word.lower().startswith(("torch==", "torch>", "torch<", "torch~")) and word != "torch", cmd
 
 
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory) -> str:
+    """A fresh venv's Python, without pip or site packages: only the standard library and PYTHONPATH."""
+    venv = tmp_path_factory.mktemp("bare") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    return str(venv / "bin" / "python")
+
+
 @pytest.fixture
-def box(tmp_path):
-    return Setup(tmp_path)
+def box(tmp_path, bare_python):
+    return Setup(tmp_path, bare_python)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -127,7 +183,7 @@ def test_dry_run_colab(box):
     assert "-c" in cmds[1]  # with torch pinned
     assert "liger-kernel: dry run: would install liger-kernel" in out
     pip = cmds[0]
-    assert pip[:4] == [sys.executable, "-m", "pip", "install"] and pip[-1] == "nbkit"
+    assert pip[:4] == [box.python, "-m", "pip", "install"] and pip[-1] == DEFAULT_SOURCE
     assert "-c" in pip and pip[pip.index("-c") + 1].endswith("constraints.txt")
     assert "--upgrade-strategy" in pip and pip[pip.index("--upgrade-strategy") + 1] == "only-if-needed"
     assert_torch_untouched(cmds)
@@ -163,7 +219,7 @@ def test_dry_run_kaggle_git_source_with_flash(box):
     assert len(cmds) == 4
     install, download, flash_install, liger = cmds
     assert liger[-1] == "liger-kernel>=0.8.5"
-    assert install[-1] == f"nbkit @ {url}"
+    assert install[-1] == f"nbkit-sft @ {url}"
     assert download[1:4] == ["-m", "pip", "download"]
     assert "--only-binary=:all:" in download and "--no-deps" in download and download[-1] == "flash-attn"
     assert flash_install[3] == "install" and "-c" in flash_install  # the wheel is installed with torch pinned
@@ -184,7 +240,7 @@ def test_credentials_in_a_source_url_are_never_printed(box):
 def test_dry_run_plain_cpu_local_path(box, tmp_path):
     checkout = tmp_path / "nbkit-src"
     checkout.mkdir()
-    (checkout / "pyproject.toml").write_text("[project]\nname = 'nbkit'\n")
+    (checkout / "pyproject.toml").write_text("[project]\nname = 'nbkit-sft'\n")
     fake_gpu(box.bin, None)  # a driver-less machine
     r = box.run("--dry-run", "--flash", "--from", str(checkout))
     assert r.returncode == 0, r.stderr
@@ -207,7 +263,7 @@ def test_dry_run_without_torch_says_so(box, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "WARNING: no torch in this Python" in r.stdout
     cmds = commands(r.stdout)
-    assert len(cmds) == 1 and cmds[0][-1] == "nbkit"
+    assert len(cmds) == 1 and cmds[0][-1] == DEFAULT_SOURCE
     # installing for real: pip bringing torch in is fine when there was none to keep
     box.fake_pip(installs="torch=2.9.0")
     r = box.run(REAL_PYTHON=bare)  # PYTHONPATH: the empty fake site, where pip "installs" torch
@@ -224,6 +280,88 @@ def test_bad_arguments_fail_before_installing(box, args):
     assert r.returncode == 2 and commands(r.stdout) == []
 
 
+@pytest.mark.parametrize("source", ["nbkit", "nbkit==0.1.0", "nbkit @ git+https://github.com/nbkit/nbkit", "pypi",
+                                    "checkout named nbkit", "wheel named nbkit"])
+def test_a_source_of_the_other_nbkit_is_refused_and_says_why(box, tmp_path, source):
+    """PyPI's "nbkit" is an unrelated project: nothing that would install it is run, and the message names nbkit-sft."""
+    if source == "checkout named nbkit":
+        (tmp_path / "other").mkdir()
+        (tmp_path / "other" / "pyproject.toml").write_text('[project]\nname = "nbkit"\n')
+        source = str(tmp_path / "other")
+    elif source == "wheel named nbkit":
+        source = str(tmp_path / "nbkit-0.0.10-py3-none-any.whl")
+        Path(source).write_bytes(b"")
+    fake_gpu(box.bin, None)
+    r = box.run("--dry-run", "--from", source)
+    assert r.returncode == 2 and commands(r.stdout) == []
+    assert "nbkit-sft" in r.stderr, r.stderr
+
+
+def test_the_default_source_is_this_project_at_its_homepage():
+    """nbkit-sft from the project's Homepage, the same in the script, in ``nbkit setup`` and in the notebooks."""
+    from nbkit.setup import DEFAULT_SOURCE as setup_default
+
+    pyproject = (ROOT / "pyproject.toml").read_text()  # (tomllib is Python 3.11+; nbkit supports 3.10)
+    name = re.search(r'^name = "([^"]+)"', pyproject, re.M).group(1)
+    homepage = re.search(r'^Homepage = "([^"]+)"', pyproject, re.M).group(1)
+    expected = f"{name} @ git+{homepage}"
+    assert name == "nbkit-sft" and expected == DEFAULT_SOURCE == setup_default
+    assert f'DEFAULT_SOURCE="{expected}"' in SCRIPT.read_text()
+    for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        assert f'nbkit_source = \\"{expected}\\"' in notebook.read_text(), notebook.name
+
+
+def test_dry_run_with_an_unrelated_nbkit_plans_to_remove_it_first(box):
+    fake_dist(box.site, "torch", "2.6.0+cu126")
+    unrelated_nbkit(box.site)
+    fake_gpu(box.bin, None)
+    r = box.run("--dry-run", COLAB_RELEASE_TAG="release")
+    assert r.returncode == 0, r.stderr
+    assert "found the distribution 'nbkit' 0.0.10 (jupyter notebook toolkit): an unrelated project" in r.stdout
+    assert "import nbkit would load it" in r.stdout
+    uninstall, install = commands(r.stdout)
+    assert uninstall == [box.python, "-m", "pip", "uninstall", "-y", "nbkit"]
+    assert install[3] == "install" and install[-1] == DEFAULT_SOURCE
+    assert (box.site / "nbkit" / "__init__.py").is_file()  # a dry run removes nothing
+
+
+def test_this_project_under_its_former_name_is_replaced_along_with_a_shadowed_nbkit_sft(box):
+    fake_dist(box.site, "nbkit", "0.1.0", homepage="https://github.com/nbkit/nbkit")
+    fake_dist(box.site, "nbkit-sft", "0.1.0")
+    fake_gpu(box.bin, None)
+    r = box.run("--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "this project under its former name" in r.stdout
+    assert commands(r.stdout)[0][3:] == ["uninstall", "-y", "nbkit", "nbkit-sft"]  # both: they share nbkit/
+
+
+def test_install_removes_an_unrelated_nbkit_and_checks_the_import(box):
+    fake_dist(box.site, "torch", "2.5.1+cu124")
+    unrelated_nbkit(box.site)
+    log = box.fake_pip()
+    fake_gpu(box.bin, None)
+    r = box.run()
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = log.read_text().splitlines()
+    assert calls[0] == "PIP uninstall -y nbkit" and calls[1].startswith("PIP install ")
+    assert not list(box.site.glob("nbkit-*.dist-info"))  # the unrelated one is gone
+    assert f"import nbkit: this project (nbkit-sft), from {box.site / 'nbkit'}" in r.stdout
+    assert re.search(r"nbkit-sft\s+0\.1\.0 \(was -\)", r.stdout)
+
+
+def test_install_stops_with_what_to_do_when_import_nbkit_is_still_not_this_project(box):
+    fake_dist(box.site, "torch", "2.5.1+cu124")
+    unrelated_nbkit(box.site)
+    box.fake_pip(uninstall_noop=True)  # the unrelated nbkit survives
+    fake_gpu(box.bin, None)
+    r = box.run()
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "ERROR: import nbkit does not load this project" in r.stdout
+    assert "installed by 'nbkit,nbkit-sft'" in r.stdout
+    assert "-m pip uninstall -y nbkit nbkit-sft, then install nbkit-sft again" in r.stdout
+    assert "NBKIT_RESTART_NEEDED" not in r.stdout
+
+
 def test_dry_run_runs_nothing(box):
     log = box.fake_pip(installs="transformers=9.9.9")
     fake_gpu(box.bin, "NVIDIA A100-SXM4-40GB, 8.0")
@@ -238,12 +376,13 @@ def test_dry_run_runs_nothing(box):
 
 def test_install_reports_restart_when_an_installed_package_changed(box):
     fake_dist(box.site, "torch", "2.5.1+cu124")
+    fake_dist(box.site, "transformers", "4.57.1")
     log = box.fake_pip(installs="transformers=9.9.9 trl=9.1.0")
     fake_gpu(box.bin, "Tesla T4, 7.5")
     r = box.run(COLAB_GPU="1")
     assert r.returncode == 0, r.stdout + r.stderr
     pip_calls = log.read_text().splitlines()
-    assert len(pip_calls) == 2 and pip_calls[0].startswith("PIP install ") and pip_calls[0].endswith(" nbkit")
+    assert len(pip_calls) == 2 and pip_calls[0].startswith("PIP install ") and pip_calls[0].endswith(DEFAULT_SOURCE)
     assert pip_calls[1].endswith(" liger-kernel>=0.8.5")  # a CUDA GPU: Liger's fused kernels
     assert (box.tmp / "constraints.seen").read_text() == "torch==2.5.1+cu124\n"  # what pip was given
     assert "transformers  9.9.9 (was " in r.stdout

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nbkit.demo.data import EVAL_SIZE, WORDS, demo_pairs, make_dataset
-from nbkit.demo.models import FAMILIES, MOE_FAMILIES, SLIDING_WINDOW, tiny_config, tiny_model
+from nbkit.demo.models import FAMILIES, MOE_FAMILIES, SLIDING_WINDOW, TINY_RECIPE, Recipe, tiny_config, tiny_model
 from nbkit.demo.tokenizer import demo_tokenizer_path, load_demo_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,6 +145,65 @@ def test_tiny_config_overrides_and_special_ids():
         tiny_config("gpt2", 1024)
 
 
+def test_build_base_saves_a_tiny_model_and_the_demo_tokenizer_that_load_back(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nbkit.demo.models import build_base
+
+    tokenizer = build_base(tmp_path / "base", "llama", seed=3)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    reloaded = AutoTokenizer.from_pretrained(tmp_path / "base")
+    assert model.config.vocab_size == len(tokenizer) == len(reloaded) == 1024
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id
+    fresh = tiny_model("llama", 1024, seed=3, pad_token_id=tokenizer.pad_token_id,
+                       eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))  # the same seeded weights
+
+
+def test_a_recipe_keeps_its_values_where_the_given_ones_are_none():
+    pretrained = Recipe(max_steps=60, learning_rate=2e-4, batch_size=4, max_length=512)
+    assert pretrained.but(max_steps=None, learning_rate=1e-4) == Recipe(60, 1e-4, 4, 512)
+    assert TINY_RECIPE.but() == TINY_RECIPE and TINY_RECIPE.modules_to_save == ("embed_tokens", "lm_head")
+
+
+def test_the_notebook_plumbing_imports_nothing_from_the_demo_cli():
+    """nbkit.notebook and nbkit.demo.run share the tiny base (nbkit.demo.models), answer generation
+    (nbkit.generation) and memory formatting (nbkit.memory); neither imports the other, and neither formats bytes
+    or reads peak memory itself."""
+    import ast
+
+    def imports(path: Path) -> set[str]:
+        tree = ast.parse(path.read_text())
+        found = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        return found | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+
+    def defined(path: Path) -> set[str]:
+        return {node.name for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+
+    notebook, run = ROOT / "nbkit" / "notebook.py", ROOT / "nbkit" / "demo" / "run.py"
+    assert "nbkit.demo.run" not in imports(notebook) and "nbkit.notebook" not in imports(run)
+    assert {"nbkit.memory", "nbkit.demo.models"} <= imports(notebook) & imports(run)
+    assert "nbkit.generation" in imports(run)
+    for path in (notebook, run):
+        assert not defined(path) & {"fmt_bytes", "_fmt_bytes", "peak_memory_bytes", "build_base", "generate_answers"}
+
+
+def test_demo_help_lists_the_families_explains_the_seed_and_shows_the_output_dir_default(capsys, monkeypatch):
+    from nbkit.demo.run import DEFAULT_OUTPUT_DIR, parse_args
+
+    monkeypatch.setenv("COLUMNS", "400")  # one line per option: argparse would wrap inside "nbkit-demo-out"
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert f"model family: {', '.join(FAMILIES)} (default qwen3)" in text
+    assert "--seed SEED seed of the base model's weights, the data, LoRA's init and the trainer (default 0)" in text
+    assert f"(default {DEFAULT_OUTPUT_DIR})" in text
+    args = parse_args([])
+    assert (args.max_steps, args.learning_rate, args.batch_size, args.max_length) == (
+        TINY_RECIPE.max_steps, TINY_RECIPE.learning_rate, TINY_RECIPE.batch_size, TINY_RECIPE.max_length)
+
+
 # --- python -m nbkit demo ------------------------------------------------------------------------------------------
 
 SHORT = ["--max-steps", "40", "--eval-examples", "16", "--save-steps", "0"]
@@ -185,7 +244,8 @@ def test_demo_adapter_reloads_to_the_trained_model(fast_run):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-    from nbkit.demo.run import assistant_loss, generate_answers
+    from nbkit.demo.run import assistant_loss
+    from nbkit.generation import generate_answers
     from nbkit.loading import keep_4bit_trainable
 
     m = fast_run

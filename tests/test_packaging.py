@@ -1,6 +1,8 @@
-"""``pip install nbkit`` works: the project builds as an sdist and a wheel (the wheel built from the sdist, so the sdist
-is complete), both carry the shipped data, and the wheel installed into a fresh virtual environment runs
-``python -m nbkit demo`` from outside the source tree.
+"""Installing nbkit (the distribution ``nbkit-sft``; the import is ``nbkit``) works: the project builds as an sdist and
+a wheel (the wheel built from the sdist, so the sdist is complete), both carry the shipped data, the wheel installed
+into a fresh virtual environment runs ``python -m nbkit demo`` from outside the source tree, and the setup paths
+(colab_setup.sh, and the notebooks' setup cell) replace an unrelated ``nbkit`` (PyPI's "nbkit" is another project)
+already in a fresh venv with this project, using the real pip, offline.
 
 The fresh venv gets nbkit from the wheel only (``--no-deps --no-index``); the heavy dependencies (torch,
 transformers, ...) are borrowed from the running environment through a ``.pth`` line added *after* the install,
@@ -14,7 +16,9 @@ Needs ``build`` (pypa/build). The build-and-install tests are marked slow (about
 from __future__ import annotations
 
 import email
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,8 +37,9 @@ WHEEL_MUST_HAVE = [
     "nbkit/trainer.py",
     "nbkit/config.py",
     "nbkit/loading.py",
-    "nbkit/dashboard.py",
+    "nbkit/dashboard/__init__.py",
     "nbkit/notebook.py",
+    "nbkit/generation.py",
     "nbkit/setup.py",
     "nbkit/colab_setup.sh",
     "nbkit/demo/run.py",
@@ -69,7 +74,7 @@ def dists(tmp_path_factory) -> dict[str, Path]:
     result = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--skip-dependency-check",
                              "--outdir", str(out), str(src)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    wheels, sdists = list(out.glob("nbkit-*.whl")), list(out.glob("nbkit-*.tar.gz"))
+    wheels, sdists = list(out.glob("nbkit_sft-*.whl")), list(out.glob("nbkit_sft-*.tar.gz"))
     assert len(wheels) == 1 and len(sdists) == 1, list(out.iterdir())
     return {"wheel": wheels[0], "sdist": sdists[0], "tmp": tmp}
 
@@ -88,7 +93,7 @@ def test_wheel_ships_code_data_and_metadata(dists):
         info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
         meta = email.message_from_bytes(whl.read(f"{info}/METADATA"))
         entry_points = whl.read(f"{info}/entry_points.txt").decode()
-    assert meta["Name"] == "nbkit" and meta["Version"] and meta["Requires-Python"]
+    assert meta["Name"] == "nbkit-sft" and meta["Version"] and meta["Requires-Python"]
     assert meta["Summary"] and (meta["License-Expression"] or meta["License"])
     requires = " ".join(meta.get_all("Requires-Dist") or [])
     for dep in ("torch", "transformers", "trl", "peft", "bitsandbytes", "datasets", "accelerate", "ipywidgets"):
@@ -141,12 +146,14 @@ def test_installed_wheel_runs_the_demo(venv, tmp_path):
     module, tokenizer_dir = where.stdout.split()
     assert Path(module).resolve().is_relative_to(venv.resolve()), f"imported {module}, not the installed wheel"
     assert Path(tokenizer_dir).resolve().is_relative_to(venv.resolve())
+    owner = run_in(venv, tmp_path, "-c", "import nbkit, pathlib; from importlib import metadata; "
+                                         "dist = metadata.distribution('nbkit-sft'); print(dist.metadata['Name'], "
+                                         "dist.locate_file('nbkit/__init__.py') == pathlib.Path(nbkit.__file__))")
+    assert owner.stdout.split() == ["nbkit-sft", "True"], owner.stdout + owner.stderr  # the file imported is its
 
     result = run_in(venv, tmp_path, "-m", "nbkit", "demo", "--max-steps", "5", "--eval-examples", "8",
                     "--output-dir", "demo-out", "--json", "metrics.json")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    import json
-
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["steps"] == 5 and metrics["tokens_per_second"] > 0
     assert (tmp_path / "demo-out" / "adapter" / "adapter_model.safetensors").is_file()
@@ -165,7 +172,141 @@ def test_installed_wheel_runs_its_setup_script(venv, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# an unrelated "nbkit" already installed: the setup paths replace it (real pip, offline)
+
+UNRELATED = {"name": "nbkit", "version": "0.0.10", "summary": "jupyter notebook toolkit"}
+
+
+def unrelated_nbkit_wheel(folder: Path) -> Path:
+    """A wheel of an unrelated project named nbkit 0.0.10 with its own nbkit/__init__.py, built here."""
+    import base64
+    import hashlib
+
+    info = f"{UNRELATED['name']}-{UNRELATED['version']}.dist-info"
+    files = {
+        "nbkit/__init__.py": b'"""another project that happens to be called nbkit"""\nTOOLKIT = "jupyter"\n',
+        f"{info}/METADATA": (f"Metadata-Version: 2.1\nName: {UNRELATED['name']}\nVersion: {UNRELATED['version']}\n"
+                             f"Summary: {UNRELATED['summary']}\n").encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{info}/top_level.txt": b"nbkit\n",
+    }
+
+    def digest(data: bytes) -> str:
+        return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+    record = "".join(f"{name},{digest(data)},{len(data)}\n" for name, data in files.items()) + f"{info}/RECORD,,\n"
+    path = folder / f"{UNRELATED['name']}-{UNRELATED['version']}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as whl:
+        for name, data in files.items():
+            whl.writestr(name, data)
+        whl.writestr(f"{info}/RECORD", record)
+    return path
+
+
+def venv_with_unrelated_nbkit(dists: dict, path: Path) -> Path:
+    """A fresh venv with pip, holding the unrelated nbkit 0.0.10 (installed by pip) and, as metadata only, the
+    dependencies nbkit-sft declares at the versions this environment has: pip then resolves nothing and downloads
+    nothing, and what it installs is this project alone."""
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+    python = path / "bin" / "python"
+    wheel = unrelated_nbkit_wheel(path.parent)
+    result = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-index", str(wheel)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    from importlib import metadata
+
+    with zipfile.ZipFile(dists["wheel"]) as whl:
+        meta_name = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+        requires = email.message_from_bytes(whl.read(meta_name)).get_all("Requires-Dist") or []
+    for requirement in requires:
+        if "extra ==" in requirement:
+            continue
+        name = re.match(r"[A-Za-z0-9._-]+", requirement).group(0)
+        info = site / f"{name.replace('-', '_')}-{metadata.version(name)}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {metadata.version(name)}\n")
+    return path
+
+
+def offline_env(venv: Path) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME") and not k.startswith(("COLAB_", "KAGGLE_", "PIP_"))}
+    env.update(PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PYTHONNOUSERSITE="1", CUDA_VISIBLE_DEVICES="",
+               PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
+    return env
+
+
+def assert_this_project_is_installed(venv: Path, cwd: Path) -> None:
+    """``import nbkit`` in ``venv`` is this project, owned by nbkit-sft; no distribution named nbkit is left."""
+    check = subprocess.run(
+        [str(venv / "bin" / "python"), "-c",
+         "import json, nbkit, nbkit.setup; from importlib import metadata\n"
+         "try:\n    other = metadata.version('nbkit')\nexcept metadata.PackageNotFoundError:\n    other = None\n"
+         "print(json.dumps({'owners': metadata.packages_distributions()['nbkit'], 'other': other, "
+         "'file': nbkit.__file__, 'toolkit': hasattr(nbkit, 'TOOLKIT')}))"],
+        cwd=cwd, env=offline_env(venv), capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    found = json.loads(check.stdout)
+    assert [o.replace("_", "-") for o in found["owners"]] == ["nbkit-sft"] and found["other"] is None, found
+    assert Path(found["file"]).resolve().is_relative_to(venv.resolve()) and not found["toolkit"], found
+
+
+@pytest.mark.slow
+def test_colab_setup_replaces_an_unrelated_nbkit_with_this_project(dists, tmp_path):
+    venv = venv_with_unrelated_nbkit(dists, tmp_path / "venv")
+    result = subprocess.run(["bash", str(ROOT / "colab_setup.sh"), "--python", str(venv / "bin" / "python"),
+                             "--from", str(dists["wheel"])], cwd=tmp_path, env=offline_env(venv),
+                            capture_output=True, text=True, timeout=600)
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:] + result.stderr[-4000:]
+    assert "found the distribution 'nbkit' 0.0.10 (jupyter notebook toolkit): an unrelated project" in out
+    assert "-m pip uninstall -y nbkit\n" in out
+    assert "import nbkit: this project (nbkit-sft), from " in out and "NBKIT_RESTART_NEEDED=" in out
+    assert_this_project_is_installed(venv, tmp_path)
+
+
+@pytest.mark.slow
+def test_the_notebook_setup_cell_replaces_an_unrelated_nbkit_with_this_project(dists, tmp_path):
+    """The notebooks' setup cell (plain Python: run here by the venv's interpreter, as a kernel would), on a hosted
+    runtime, with an unrelated nbkit installed: it removes it, installs this project alone, runs its setup."""
+    import nbformat
+
+    venv = venv_with_unrelated_nbkit(dists, tmp_path / "venv")
+    cells = [c for c in nbformat.read(ROOT / "notebooks" / "01_qlora_quickstart.ipynb", as_version=4).cells
+             if c.cell_type == "code"]
+    params = f"run_setup = True\nnbkit_source = {str(dists['wheel'])!r}\nsetup_options = []\n"
+    script = tmp_path / "setup_cell.py"
+    script.write_text(params + cells[1].source + "\n")
+    result = subprocess.run([str(venv / "bin" / "python"), str(script)], cwd=tmp_path, env=offline_env(venv),
+                            capture_output=True, text=True, timeout=600)
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:] + result.stderr[-4000:]
+    assert "a distribution named 'nbkit' (0.0.10) is installed: this project's is nbkit-sft" in out
+    assert "+ pip uninstall -y nbkit\n" in out and f"+ pip install -q --no-deps {dists['wheel']}" in out
+    assert "import nbkit: this project (nbkit-sft)" in out  # colab_setup.sh ran, from the package just installed
+    assert_this_project_is_installed(venv, tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # the setup entry point, from the checkout (fast)
+
+
+def test_nbkit_setup_has_its_own_usage():
+    """``nbkit setup --help`` describes nbkit setup (not ``bash colab_setup.sh``) and lists every option the script
+    takes; a bad option is refused before anything runs."""
+    result = subprocess.run([sys.executable, "-m", "nbkit", "setup", "--help"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: nbkit setup") and "colab_setup.sh [" not in result.stdout
+    script_options = set(re.findall(r"^  (--[a-z-]+)", (ROOT / "colab_setup.sh").read_text(), re.M))
+    assert script_options == {"--from", "--flash", "--dry-run", "--python"}
+    assert all(option in result.stdout for option in script_options)
+    assert "nbkit-sft @ git+https://github.com/nbkit/nbkit" in result.stdout  # the default source
+    bad = subprocess.run([sys.executable, "-m", "nbkit", "setup", "--bogus"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "unrecognized arguments: --bogus" in bad.stderr
 
 
 def test_setup_entry_point_runs_the_script_dry(tmp_path):
@@ -192,13 +333,16 @@ def test_setup_result_says_which_changes_need_a_restart():
               "    torch         2.13.0\n"
               "    transformers  5.17.0 (was 4.57.1)\n"
               "    flash-attn    2.8.3 (was 2.8.2)\n"
-              "    nbkit         0.1.0 (was -)\n"
+              "    nbkit-sft     0.1.0 (was -)\n"
               "NBKIT_RESTART_NEEDED=1\n")
     result = SetupResult(0, True, output)
     assert result.changed == {"transformers": ("4.57.1", "5.17.0"), "flash-attn": ("2.8.2", "2.8.3"),
-                              "nbkit": ("-", "0.1.0")}
+                              "nbkit-sft": ("-", "0.1.0")}
     stale = result.stale_imports()
-    assert "transformers" in stale and "nbkit" not in stale  # nbkit was not installed before: nothing stale
+    assert "transformers" in stale and "nbkit-sft" not in stale  # nbkit was not installed before: nothing stale
+    assert "nbkit" in sys.modules  # imported (nbkit.setup above), so an upgraded nbkit-sft, import nbkit, is stale
+    upgraded = SetupResult(0, True, "    nbkit-sft     0.2.0 (was 0.1.0)\nNBKIT_RESTART_NEEDED=1\n")
+    assert upgraded.stale_imports() == ["nbkit-sft"]
     assert ("flash-attn" in stale) == ("flash_attn" in sys.modules)
     assert SetupResult(0, False, "NBKIT_RESTART_NEEDED=0\n").stale_imports() == []
     assert detect_platform({"KAGGLE_KERNEL_RUN_TYPE": "Interactive"}) == "kaggle"

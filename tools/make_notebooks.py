@@ -44,7 +44,7 @@ def params(text: str, name: str) -> tuple[str, str, tuple[str, ...]]:
 
 PARAMS_COMMON = """
 output_dir = "nbkit-out/{name}"  # everything this notebook writes goes here
-nbkit_source = "pypi"  # where setup installs nbkit from: "pypi", "nbkit==0.1.0", a git+https:// URL or a local path
+nbkit_source = "nbkit-sft @ git+https://github.com/nbkit/nbkit"  # what setup installs: this, a wheel or a checkout
 run_setup = "auto"  # "auto": run colab_setup.sh on Colab/Kaggle only; True: always; False: never
 setup_options = []  # more colab_setup.sh options: ["--flash"] adds flash-attn if a prebuilt wheel fits
 seed = 0
@@ -53,16 +53,38 @@ seed = 0
 SETUP = code('''
     # Setup. On Colab or Kaggle: install nbkit without touching the runtime's torch. nbkit goes in alone first
     # (--no-deps: nothing is resolved, so nothing can replace torch), then its colab_setup.sh pins torch and
-    # installs the rest. Elsewhere (your machine, CI) this cell does nothing: install nbkit yourself.
-    import importlib, importlib.util, os
+    # installs the rest. Its distribution is named nbkit-sft (the import stays `nbkit`): "nbkit" on PyPI is another
+    # project, whose files would shadow these, so a distribution of that name is removed first. Elsewhere (your
+    # machine, CI) this cell does nothing: pip install "nbkit-sft @ git+https://github.com/nbkit/nbkit" yourself.
+    import importlib, os, subprocess, sys
+    from importlib import metadata
+
+
+    def installed(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
 
     hosted = any(os.environ.get(v) for v in ("COLAB_RELEASE_TAG", "COLAB_GPU", "KAGGLE_KERNEL_RUN_TYPE",
                                              "KAGGLE_URL_BASE"))
     if run_setup is True or (run_setup == "auto" and hosted):
-        if importlib.util.find_spec("nbkit") is None:
-            requirement = "nbkit" if nbkit_source == "pypi" else nbkit_source
-            %pip install -q --no-deps {requirement}
-            importlib.invalidate_caches()
+        dry_run = "--dry-run" in setup_options  # print the pip commands, run none
+        pip = []
+        if installed("nbkit"):
+            print(f"a distribution named 'nbkit' ({installed('nbkit')}) is installed: this project's is nbkit-sft, "
+                  "so it is removed first")
+            pip.append(["uninstall", "-y", *(n for n in ("nbkit", "nbkit-sft") if installed(n))])
+        if pip or not installed("nbkit-sft"):
+            pip.append(["install", "-q", "--no-deps", nbkit_source])
+        for args in pip:
+            print("+ pip", *args)
+            if not dry_run:
+                subprocess.run([sys.executable, "-m", "pip", *args], check=True)
+        if pip and not dry_run and "nbkit" in sys.modules:
+            raise SystemExit("Restart the runtime (another nbkit was imported), then run all again.")
+        importlib.invalidate_caches()
         from nbkit.setup import run_setup as run_colab_setup
 
         setup = run_colab_setup(["--from", nbkit_source, *setup_options])  # prints GPU, bf16/fp16, versions
@@ -106,10 +128,13 @@ NB01 = [
     model_name = "auto"  # "auto": Qwen/Qwen3-1.7B on a GPU, a tiny local qwen3 without one; "tiny"; a Hub id; a folder
     load_in_4bit = True  # QLoRA: NF4 4-bit base + LoRA; False: a 16-bit base + LoRA
     lora_r = 16
-    max_steps = 60
-    max_length = 512  # tokens per packed row
-    batch_size = 4  # packed rows per step
-    learning_rate = None  # None: 2e-4 for a pretrained model, 3e-3 for the tiny random-init one
+    # Training; None takes the value for the model: 60 steps of 4 rows x 512 tokens at 2e-4 for a pretrained one, and
+    # for the tiny random-init one the demo's recipe, 300 steps of 2 rows x 256 tokens at 3e-3 (it learns the skill
+    # after 100-200 steps, however many tokens a step holds)
+    max_steps = None
+    max_length = None  # tokens per packed row
+    batch_size = None  # packed rows per step
+    learning_rate = None
     train_examples = 2000
     eval_examples = 16  # held-out prompts scored before and after
     own_data = None  # path of a JSONL file with one {"messages": [...]} per line, to train on instead of the demo
@@ -125,9 +150,11 @@ NB01 = [
 
     import nbkit
     from nbkit import FastSFT, FastSFTConfig, load_model
+    from nbkit.demo.models import Recipe
     from nbkit.loading import pick_compute_dtype
-    from nbkit.notebook import (RunProbe, answers, demo_chat_dataset, exact_match, fmt_bytes, keep_trainable_fp32,
-                                md_table, pick_model, sequence_loss, to_prompt_completion)
+    from nbkit.memory import fmt_bytes
+    from nbkit.notebook import (RunProbe, answers, demo_chat_dataset, exact_match, keep_trainable_fp32, md_table,
+                                pick_model, sequence_loss, to_prompt_completion)
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -138,10 +165,16 @@ NB01 = [
 
     choice = pick_model(model_name, gpu_default="Qwen/Qwen3-1.7B", tiny_family="qwen3", folder=out / "tiny-base",
                         seed=seed)
-    lr = learning_rate if learning_rate is not None else (3e-3 if choice.tiny else 2e-4)
+    recipe = choice.recipe(Recipe(max_steps=60, learning_rate=2e-4, batch_size=4, max_length=512),
+                           max_steps=max_steps, learning_rate=learning_rate, batch_size=batch_size,
+                           max_length=max_length)
     print("model:", choice.describe())
+    print(f"training: {recipe.max_steps} steps of {recipe.batch_size} rows x {recipe.max_length} tokens, "
+          f"learning rate {recipe.learning_rate:g}")
     results = {"model": choice.path, "tiny": choice.tiny, "load_in_4bit": load_in_4bit,
-               "compute_dtype": str(compute_dtype).replace("torch.", "")}
+               "compute_dtype": str(compute_dtype).replace("torch.", ""), "max_steps": recipe.max_steps,
+               "batch_size": recipe.batch_size, "max_length": recipe.max_length,
+               "learning_rate": recipe.learning_rate}
     """),
     code("""
     torch.manual_seed(seed)  # LoRA's initial A matrices
@@ -149,9 +182,9 @@ NB01 = [
         choice.path,
         load_in_4bit=load_in_4bit,
         lora_r=lora_r,
-        max_seq_length=max_length,
-        # a random-init model has no useful token embeddings for LoRA to steer: train embeddings and head in full
-        modules_to_save=["embed_tokens", "lm_head"] if choice.tiny else None,
+        max_seq_length=recipe.max_length,
+        # the tiny recipe trains embeddings and head in full: a random-init model has none for LoRA to steer
+        modules_to_save=list(recipe.modules_to_save) or None,
     )
     model.print_trainable_parameters()
     """),
@@ -227,14 +260,14 @@ NB01 = [
     code("""
     config = FastSFTConfig(
         output_dir=str(out / "trainer"),
-        max_steps=max_steps,
-        per_device_train_batch_size=batch_size,
-        learning_rate=lr,
+        max_steps=recipe.max_steps,
+        per_device_train_batch_size=recipe.batch_size,
+        learning_rate=recipe.learning_rate,
         lr_scheduler_type="cosine",
-        warmup_steps=max(1, max_steps // 20),
+        warmup_steps=max(1, recipe.max_steps // 20),
         weight_decay=0.0,
         packing=True,
-        max_length=max_length,
+        max_length=recipe.max_length,
         gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": False},
         bf16=compute_dtype == torch.bfloat16,
@@ -279,6 +312,7 @@ NB01 = [
     code("""
     after = answers(model, tokenizer, questions)
     results["exact_match_after"] = exact_match(after, references)
+    results["answers_after"] = after
     results["loss_trained"] = sequence_loss(model, tokenizer, eval_pairs)
     print(f"exact match: {results['exact_match_before']:.0%} -> {results['exact_match_after']:.0%}; "
           f"held-out loss {results['loss_before']:.3f} -> {results['loss_trained']:.3f}")
@@ -410,7 +444,8 @@ NB02 = [
     from nbkit import FastSFT, FastSFTConfig, load_model
     from nbkit.dashboard import attach_dashboard
     from nbkit.loading import pick_compute_dtype
-    from nbkit.notebook import RunProbe, demo_chat_dataset, fmt_bytes, keep_trainable_fp32, md_table, pick_model
+    from nbkit.memory import fmt_bytes
+    from nbkit.notebook import RunProbe, demo_chat_dataset, keep_trainable_fp32, md_table, pick_model
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -566,8 +601,13 @@ NB03 = [
     the longest length that fits, peak VRAM and step time, and checks that both modes give the same loss and the
     same gradient norm (offloading acts on the backward pass: the gradient is what it could get wrong).
 
-    On a CPU there is no VRAM to run out of: the search stops at its limit, and what the CPU run shows is that the
-    offload path runs and leaves the loss unchanged. Run it on a GPU for the real answer.
+    Running out of GPU memory is an error the search catches; running out of host memory is not (the kernel kills
+    the process, and the notebook with it). So before each try the search predicts, from the tries at shorter
+    lengths, the host memory it will take (offloaded inputs sit there, page-locked) and its time a step, and does not
+    run a try that would exceed `host_fraction` of the available host memory or `max_step_seconds`; it says where it
+    stopped and why. On a CPU there is no VRAM to run out of: the search stops at host memory, time or its limit, and
+    what the CPU run shows is that the offload path runs and leaves the loss unchanged. Run it on a GPU for the real
+    answer.
     """),
     intro_setup_md(),
     params("""
@@ -575,10 +615,12 @@ NB03 = [
     model_name = "auto"  # "auto": Qwen/Qwen3-1.7B on a GPU, a tiny local qwen3 without one; "tiny"; a Hub id; a folder
     load_in_4bit = True
     lora_r = 16
-    start_length = 4096  # first length tried; doubled while it fits
+    start_length = None  # first length tried, doubled while it fits; None: 4096 on a GPU, 1024 on a CPU
     max_try_length = 262144  # the search limit
-    refine_steps = 2  # bisections between the longest fit and the first out-of-memory
+    refine_steps = 2  # bisections between the longest fit and the first length that does not fit
     steps_per_try = 2  # the second step runs with the optimizer state allocated, as in a real run
+    max_step_seconds = None  # no try predicted to take longer a step; None: 300 on a GPU, 15 on a CPU
+    host_fraction = 0.8  # no try predicted to take more than this share of the available host memory
     """, "03_long_context"),
     SETUP,
     md("## Is offloaded checkpointing there?"),
@@ -592,7 +634,8 @@ NB03 = [
     import nbkit
     from nbkit import FastSFT, FastSFTConfig, load_model
     from nbkit.loading import pick_compute_dtype
-    from nbkit.notebook import RunProbe, feature, fmt_bytes, keep_trainable_fp32, md_table, pick_model
+    from nbkit.memory import fmt_bytes
+    from nbkit.notebook import LengthSearch, RunProbe, feature, keep_trainable_fp32, md_table, pick_model
 
     missing = []
     ok, message = feature("nbkit.speedups.offload", "OffloadedCheckpointing")
@@ -618,6 +661,8 @@ NB03 = [
                         seed=seed)
     print(f"nbkit {nbkit.__version__}, torch {torch.__version__}, {gpu}, compute dtype {compute_dtype}")
     print("model:", choice.describe())
+    first_length = start_length or (4096 if torch.cuda.is_available() else 1024)
+    step_limit = max_step_seconds or (300 if torch.cuda.is_available() else 15)
     torch.manual_seed(seed)
     model, tokenizer = load_model(choice.path, load_in_4bit=load_in_4bit, lora_r=lora_r, gradient_checkpointing=True)
     text_config = model.config.get_text_config()
@@ -682,6 +727,10 @@ NB03 = [
                    "nbkit_attached": list(trainer.nbkit_attached)}
         except torch.OutOfMemoryError as error:  # FastSFT's TrainingOutOfMemoryError is one
             row = {"fits": False, "error": str(error).strip().splitlines()[0][:300]}
+        except RuntimeError as error:  # a host allocation refused (where the kernel refuses rather than kills)
+            if "can't allocate memory" not in str(error):
+                raise
+            row = {"fits": False, "error": str(error).strip().splitlines()[0][:300]}
         del trainer
         model.zero_grad(set_to_none=True)
         gc.collect()
@@ -691,25 +740,11 @@ NB03 = [
 
 
     def search(offload):
-        \"\"\"Double from start_length while it fits, then bisect towards the first out-of-memory.\"\"\"
-        tried, fit, oom, length = {}, None, None, start_length
-        while length <= max_try_length:
-            tried[length] = try_length(length, offload)
-            print(f"  offload={offload!s:5} {length:>7,} tokens: "
-                  + ("fits" if tried[length]["fits"] else "out of memory"), flush=True)
-            if not tried[length]["fits"]:
-                oom = length
-                break
-            fit, length = length, length * 2
-        for _ in range(refine_steps if fit and oom else 0):
-            middle = (fit + oom) // 2 // 256 * 256
-            if middle in (fit, oom):
-                break
-            tried[middle] = try_length(middle, offload)
-            print(f"  offload={offload!s:5} {middle:>7,} tokens: "
-                  + ("fits" if tried[middle]["fits"] else "out of memory"))
-            fit, oom = (middle, oom) if tried[middle]["fits"] else (fit, middle)
-        return {"longest_fit": fit, "first_oom": oom, "tried": tried}
+        \"\"\"Double from first_length while it fits, then bisect towards the first length that does not; a try
+        predicted (from the shorter ones) to exceed host memory or the step time allowed is not run.\"\"\"
+        return LengthSearch(lambda length: try_length(length, offload), start=first_length, limit=max_try_length,
+                            refine_steps=refine_steps, max_step_seconds=step_limit, host_fraction=host_fraction,
+                            label=f"offload={offload!s:5}").run()
     """),
     code("""
     modes = [False, True] if offload_available else [False]
@@ -717,6 +752,7 @@ NB03 = [
     for offload in modes:
         print(f"offload_checkpointing={offload}:")
         found[offload] = search(offload)
+        print(f"  stopped: {found[offload]['stopped']}")
     if offload_available:
         attached = [row.get("nbkit_attached", []) for row in found[True]["tried"].values() if row["fits"]]
         offload_attached = bool(attached) and all("offload_checkpointing" in names for names in attached)
@@ -737,9 +773,9 @@ NB03 = [
             return ""
         if not row["fits"]:
             return "OOM"
-        if key == "peak_vram":
-            return fmt_bytes(row["peak_vram"]) if row["peak_vram"] is not None else "fits"
-        return f"{row[key]:.2f} s"
+        if key == "seconds_per_step":
+            return f"{row[key]:.2f} s"
+        return fmt_bytes(row[key])
 
 
     def gap(length):
@@ -750,15 +786,17 @@ NB03 = [
         return max(abs(a[k] - b[k]) / abs(a[k]) for k in ("loss", "grad_norm"))
 
 
-    headers = ["tokens", "peak VRAM, plain", "s/step, plain"]
+    # the memory that runs out first: VRAM on a GPU; on a CPU, host memory (above where the search began)
+    memory_key, memory_name = ("peak_vram", "peak VRAM") if torch.cuda.is_available() else ("host_peak", "peak host")
+    headers = ["tokens", f"{memory_name}, plain", "s/step, plain"]
     if offload_available:
-        headers += ["peak VRAM, offload", "s/step, offload", "loss & grad-norm gap"]
+        headers += [f"{memory_name}, offload", "s/step, offload", "loss & grad-norm gap"]
     table = []
     for length in lengths:
-        line = [f"{length:,}", cell(False, length, "peak_vram"), cell(False, length, "seconds_per_step")]
+        line = [f"{length:,}", cell(False, length, memory_key), cell(False, length, "seconds_per_step")]
         if offload_available:
             g = gap(length)
-            line += [cell(True, length, "peak_vram"), cell(True, length, "seconds_per_step"),
+            line += [cell(True, length, memory_key), cell(True, length, "seconds_per_step"),
                      "" if g is None else f"{g:.1e}"]
         table.append(line)
 
@@ -769,19 +807,21 @@ NB03 = [
         "missing": missing, "offload_attached": offload_attached,
         "longest_fit": {str(m): found[m]["longest_fit"] for m in modes},
         "first_oom": {str(m): found[m]["first_oom"] for m in modes},
+        "stopped": {str(m): found[m]["stopped"] for m in modes},
+        "start_length": first_length, "max_step_seconds": step_limit, "host_fraction": host_fraction,
         "tried": {str(m): {str(k): v for k, v in found[m]["tried"].items()} for m in modes},
         "max_relative_gap": max(gaps) if gaps else None, "tolerance": tolerance,
     }
     (out / "results.json").write_text(json.dumps(results, indent=2))
     for m in modes:
-        fit, oom = found[m]["longest_fit"], found[m]["first_oom"]
-        limit = f"out of memory at {oom:,}" if oom else f"the search limit ({max_try_length:,}) reached, no OOM"
-        print(f"offload_checkpointing={m}: longest that fits {fit or 0:,} tokens ({limit})")
+        print(f"offload_checkpointing={m}: longest that fits {found[m]['longest_fit'] or 0:,} tokens; "
+              f"the search stopped: {found[m]['stopped']}")
     if gaps:
         print(f"same loss and gradient norm with and without offload: {max(gaps) <= tolerance} "
               f"(max relative gap {max(gaps):.1e}, tolerance {tolerance:.0e})")
     if not torch.cuda.is_available():
-        print("CPU run: no VRAM limit to find; run on a GPU for the lengths that fit.")
+        print("CPU run: no VRAM limit to find (the search stops at host memory, time or its limit); run on a GPU "
+              "for the lengths that fit.")
     md_table(headers, table)
     """),
     code("""
@@ -849,8 +889,9 @@ NB04 = [
     from nbkit import FastSFT, FastSFTConfig, load_model
     from nbkit.demo.data import demo_pairs
     from nbkit.loading import pick_compute_dtype
-    from nbkit.notebook import (RunProbe, answers, demo_chat_dataset, exact_match, feature, fmt_bytes,
-                                keep_trainable_fp32, md_table, pick_model, sequence_loss)
+    from nbkit.memory import fmt_bytes
+    from nbkit.notebook import (RunProbe, answers, demo_chat_dataset, exact_match, feature, keep_trainable_fp32,
+                                md_table, pick_model, sequence_loss)
 
     missing = []
     ok, message = feature("nbkit.speedups.moe", "FastMoERouting")

@@ -1,0 +1,9 @@
+"""Getting a trained model out: merged 16-bit weights, GGUF files for llama.cpp / Ollama, the Hub.
+
+- ``merge``: ``save_merged`` / ``merge_folder`` -- the adapter merged into the original base, checked by logits.
+- ``gguf``: ``export_gguf`` -- a model folder to one GGUF file (pure Python, the ``gguf`` package), read back with
+  transformers' GGUF reader and checked by logits; ``QUANT_TYPES`` lists what it writes.
+- ``modelfile``: ``write_modelfile`` -- an Ollama ``Modelfile`` beside the GGUF (template, stop tokens).
+- ``push``: ``push_to_hub`` -- upload a folder or file with huggingface_hub.
+- ``cli``: ``python -m nbkit export SOURCE --to merged|gguf ...``.
+"""

@@ -1,0 +1,227 @@
+"""``export_gguf``: a model folder (e.g. ``save_merged``'s) to one GGUF file, in pure Python, and proof it loads.
+
+No llama.cpp build and no download: the ``gguf`` package writes the file (``GGUFWriter``) and quantizes
+(``gguf.quants.quantize``). ``QUANT_TYPES`` is every type that package can write (checked for gguf 0.19): f32,
+f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, and the ternary tq2_0 / tq1_0. It has no K-quant or i-quant encoder
+(q4_k_m, q6_k, iq4_nl ... need llama.cpp's ``llama-quantize``); mxfp4 it can write, but llama.cpp uses it only for
+MoE experts, which this exporter does not cover.
+
+Which tensors get the requested type (as llama.cpp's converter and quantizer do, where this package can):
+1-D tensors (norms, biases) stay f32; 2-D weights take the type; with a 4- or 5-bit type, the output projection
+(``output``, or the embedding when it doubles as the output) is q8_0 (llama.cpp would use q6_k); with a ternary
+type the embedding and output are f16. A tensor whose rows do not split into the type's blocks falls back to f16.
+
+Round trip (``check=True``): transformers' own GGUF reader loads the file back
+(``from_pretrained(folder, gguf_file=name)``), and its float32 logits on held-out prompts are compared with those of
+the source folder. ``BOUND`` states the allowed relative difference (max |diff| / max |logit|) per type, past which
+``ExportCheckError`` is raised; the tokenizer read back must encode the prompts to the same ids. The reader
+rebuilds the config from the file alone, so the check also proves the metadata is complete for the values the
+reader reads (it does not read, and so cannot check, Gemma's soft-capping and query scaling or Qwen3's head size:
+those are written for llama.cpp).
+
+An Ollama ``Modelfile`` is written beside the file (``nbkit.export.modelfile``) unless ``modelfile=False``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .compare import ExportCheckError, LogitCheck, check, compare, logits_of, prompt_batches
+from .gguf_arch import family_of, gguf_tensors, write_hparams
+from .gguf_vocab import write_vocab
+
+logger = logging.getLogger(__name__)
+
+QUANT_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "tq2_0", "tq1_0")
+_FILE_TYPE = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
+              "q5_1": "MOSTLY_Q5_1", "q5_0": "MOSTLY_Q5_0", "q4_1": "MOSTLY_Q4_1", "q4_0": "MOSTLY_Q4_0",
+              "tq2_0": "MOSTLY_TQ2_0", "tq1_0": "MOSTLY_TQ1_0"}
+# allowed relative logit difference after the round trip, by type: f32 is exact up to summation order; f16/bf16
+# round each weight (11 / 8 bits of mantissa); block types lose more the fewer bits they keep. The ternary types
+# are for ternary-trained weights (BitNet); any other model keeps little of itself, so they get no bound.
+BOUND = {"f32": 1e-5, "f16": 1e-2, "bf16": 5e-2, "q8_0": 5e-2, "q5_1": 0.15, "q5_0": 0.2, "q4_1": 0.3,
+         "q4_0": 0.35, "tq2_0": None, "tq1_0": None}
+
+
+@dataclass
+class GgufReport:
+    path: Path
+    quant: str
+    arch: str
+    tensor_types: dict[str, int]  # GGML type name -> number of tensors
+    vocab: dict
+    check: LogitCheck | None = None
+    tokenizer_round_trip: bool | None = None
+    modelfile: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"path": str(self.path), "quant": self.quant, "arch": self.arch, "tensor_types": self.tensor_types,
+                "vocab": self.vocab, "check": self.check.as_dict() if self.check else None,
+                "tokenizer_round_trip": self.tokenizer_round_trip,
+                "modelfile": str(self.modelfile) if self.modelfile else None, "notes": self.notes}
+
+
+def _state(folder: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """Every tensor of the folder's safetensors files, as float32 numpy arrays, one at a time."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no .safetensors weights (save the model with save_pretrained)")
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name).to(torch.float32).numpy()
+
+
+def _tensor_type(name: str, data: np.ndarray, quant: str, tied: bool) -> Any:
+    import gguf
+
+    t = gguf.GGMLQuantizationType
+    if data.ndim <= 1 or name.endswith("_norm.weight") or quant == "f32":
+        return t.F32
+    is_output = name == "output.weight" or (tied and name == "token_embd.weight")
+    if quant.startswith("tq") and (is_output or name == "token_embd.weight"):
+        return t.F16
+    if quant[0] == "q" and quant[1] in "45" and is_output:
+        return t.Q8_0
+    return getattr(t, quant.upper())
+
+
+def _quantize(data: np.ndarray, qtype: Any) -> tuple[np.ndarray, Any, bool]:
+    """(bytes or floats, the type used, whether it fell back to f16 because rows do not fit the blocks)."""
+    import gguf
+
+    try:
+        return gguf.quants.quantize(data, qtype), qtype, False
+    except gguf.QuantError:
+        f16 = gguf.GGMLQuantizationType.F16
+        return gguf.quants.quantize(data, f16), f16, True
+
+
+def export_gguf(model_dir: str | Path, out_path: str | Path, *, quant: str = "f16", check_logits: bool = True,
+                check_prompts: Sequence[str] | None = None, modelfile: bool = True, name: str | None = None,
+                tokenizer: Any = None) -> GgufReport:
+    """Write ``model_dir`` (a transformers model folder with its tokenizer) as GGUF ``out_path`` (module docstring)."""
+    import gguf
+    from transformers import AutoConfig, AutoTokenizer
+
+    quant = quant.lower()
+    if quant not in QUANT_TYPES:
+        raise ValueError(f"quant {quant!r}: choose one of {', '.join(QUANT_TYPES)} (K-quants need llama.cpp's "
+                         "llama-quantize, run on the f16 file this writes)")
+    model_dir, out_path = Path(model_dir), Path(out_path)
+    config = AutoConfig.from_pretrained(str(model_dir))
+    family = family_of(config)
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model_dir))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    arch_name = gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, family.arch)]
+    writer = gguf.GGUFWriter(str(out_path), arch_name)
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(name or model_dir.name)
+    notes = write_hparams(writer, config, family)
+    writer.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPE[quant]))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    vocab = write_vocab(writer, tokenizer, int(config.vocab_size))
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    counts: dict[str, int] = {}
+    fallbacks = []
+    for tensor_name, data in gguf_tensors(_state(model_dir), config, family):
+        wanted = _tensor_type(tensor_name, data, quant, tied)
+        packed, used, fell_back = _quantize(data, wanted)
+        if fell_back:
+            fallbacks.append(tensor_name)
+        writer.add_tensor(tensor_name, packed, raw_dtype=used)
+        counts[used.name] = counts.get(used.name, 0) + 1
+    if fallbacks:
+        notes.append(f"{len(fallbacks)} tensor(s) stored f16: rows do not split into {quant} blocks "
+                     f"({', '.join(fallbacks[:3])}{'...' if len(fallbacks) > 3 else ''})")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for note in notes:
+        logger.warning("nbkit export: %s", note)
+    report = GgufReport(out_path, quant, arch_name, counts, vocab, notes=notes)
+    if modelfile:
+        from .modelfile import write_modelfile
+
+        report.modelfile = write_modelfile(out_path, tokenizer)
+    if check_logits:
+        round_trip(report, model_dir, tokenizer, check_prompts)
+    return report
+
+
+def round_trip(report: GgufReport, model_dir: Path, tokenizer: Any, prompts: Sequence[str] | None) -> None:
+    """Load the file with transformers' GGUF reader; hold its logits and tokenizer to the source folder's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, file = str(report.path.parent), report.path.name
+    rows = prompt_batches(tokenizer, prompts)
+    back_tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    texts = [tokenizer.decode(r) for r in rows]
+    report.tokenizer_round_trip = all(back_tok(t, add_special_tokens=False)["input_ids"]
+                                      == tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts)
+    source = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    reference = logits_of(source, rows)
+    config = reader_config(folder, file, source.config, report)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, config=config, dtype=torch.float32)
+    report.check = check(compare(f"GGUF {report.quant} (read back by transformers) vs source", reference,
+                                 logits_of(loaded, rows), BOUND[report.quant]))
+    if not report.tokenizer_round_trip:
+        raise ExportCheckError(f"the tokenizer read back from {file} encodes the check prompts differently")
+
+
+# what transformers' GGUF reader rebuilds from the metadata, held to the source config exactly (floats: to f32)
+READ_BACK = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+             "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings")
+_NOT_MODEL = {"architectures", "dtype", "torch_dtype", "quantization_config", "_name_or_path", "transformers_version",
+              "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "use_cache", "name_or_path"}
+
+
+def reader_config(folder: str, file: str, source: Any, report: GgufReport) -> Any:
+    """The config transformers' reader builds from the file, checked against ``source`` on what it reads; the
+    values it does not read (e.g. Qwen3's head size, Gemma's soft-capping) are taken from ``source`` and named in
+    the report's notes."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder, gguf_file=file)
+    wrong = [f"{k}: file {getattr(config, k, None)!r}, model {getattr(source, k)!r}" for k in READ_BACK
+             if not _same(getattr(config, k, None), getattr(source, k))]
+    if wrong:
+        raise ExportCheckError("the GGUF metadata, read back, does not describe the model: " + "; ".join(wrong))
+    taken = []
+    for key, value in source.to_dict().items():
+        if key in _NOT_MODEL or key in READ_BACK or key.startswith("_"):
+            continue
+        if not _same(getattr(config, key, None), value):
+            setattr(config, key, getattr(source, key))
+            taken.append(key)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    if taken:
+        report.notes.append("not read back by transformers' GGUF reader, taken from the model's config for the "
+                            f"check: {', '.join(sorted(taken))}")
+    return config
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and np.float32(a) == np.float32(b)
+    return a == b
+
+
+def write_report(report: GgufReport) -> Path:
+    """The report as JSON beside the GGUF file."""
+    path = report.path.with_suffix(".export.json")
+    path.write_text(json.dumps(report.as_dict(), indent=1, default=str) + os.linesep)
+    return path
