@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 CELL = """
@@ -107,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     result = run(args)
     from benchmarks import common
 
-    writer = getattr(common, "write_results")
+    writer = common.write_results
     writer("dashboard", {"args": vars(args), **result})
     print(table(result))
     print(f"step time with the dashboard vs without (median of pairs): {result['overhead_pct_median']:+.2f}%; "

@@ -1,7 +1,8 @@
 """``python -m nbkit <command>`` and the ``nbkit`` console script.
 
-Commands: ``demo`` (``nbkit.demo.run``: train a tiny model on any machine; ``--resume`` continues an interrupted run)
-and ``setup`` (``nbkit.setup``: install nbkit into a Colab/Kaggle runtime without touching its torch). Everything
+Commands: ``demo`` (``nbkit.demo.run``: train a tiny model on any machine; ``--resume`` continues an interrupted run),
+``setup`` (``nbkit.setup``: install nbkit into a Colab/Kaggle runtime without touching its torch) and ``export``
+(``nbkit.export.cli``: a saved adapter or model folder to merged 16-bit weights or a GGUF file). Everything
 after the command goes to it unchanged; ``python -m nbkit demo --help`` lists the demo's options.
 """
 
@@ -10,10 +11,11 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-USAGE = """usage: python -m nbkit {demo,setup} [options]
+USAGE = """usage: python -m nbkit {demo,setup,export} [options]
 
   demo    QLoRA-train a tiny model on generated data, no download (--help for options, --resume to continue)
-  setup   install nbkit into this Colab/Kaggle Python, keeping its torch (--help for options)"""
+  setup   install nbkit into this Colab/Kaggle Python, keeping its torch (--help for options)
+  export  SOURCE --to merged|gguf [--quant TYPE] --out PATH: merge an adapter, or write a GGUF (--help)"""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -31,6 +33,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nbkit.setup import main as setup
 
         return setup(rest)
+    if command == "export":
+        from nbkit.export.cli import main as export
+
+        return export(rest)
     print(f"nbkit: unknown command {command!r}\n{USAGE}", file=sys.stderr)
     return 2
 

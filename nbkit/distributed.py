@@ -84,6 +84,6 @@ class RankMemoryCallback(TrainerCallback):
         self.latest: tuple[RankMemory, ...] = ()
         self.gathers = 0
 
-    def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001 - TrainerCallback's signature
+    def on_log(self, args, state, control, logs=None, **kwargs):
         self.latest = tuple(gather_rank_memory(getattr(args, "device", None)))
         self.gathers += 1

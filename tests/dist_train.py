@@ -85,7 +85,7 @@ class Recorder:
             h.remove()
         self._hooks = []
 
-    def _see(self, module, args, kwargs):  # noqa: ANN001 - torch hook signature
+    def _see(self, module, args, kwargs):
         if module.training:
             run, ids, pos = kwargs.get("nbkit_run"), kwargs.get("input_ids"), kwargs.get("position_ids")
             self.forwards.append({
@@ -94,7 +94,7 @@ class Recorder:
                 "cu_seqlens": list(run.host_offsets) if run is not None and run.host_offsets else None,
             })
 
-    def _see_experts(self, module, args):  # noqa: ANN001
+    def _see_experts(self, module, args):
         impl = module.config._experts_implementation
         plan = getattr(module, "_nbkit_moe_plan", None)
         key = f"{impl}({plan.backend})" if impl == "nbkit" and plan is not None else str(impl)
@@ -177,10 +177,10 @@ def train_once(opts: argparse.Namespace, run: str, **config_overrides: Any) -> N
     seen: dict[str, Any] = {}
 
     class Record(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001
+        def on_train_begin(self, args, state, control, **kwargs):
             recorder.attach(trainer.model)
 
-        def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        def on_train_end(self, args, state, control, **kwargs):
             # still inside train(): the speedups are attached and their counters say what ran on this rank
             train_stage = getattr(trainer, "_train_stage", None)  # FastSFT's train-stage speedups (offload)
             seen["speedups"] = speedup_report(getattr(trainer, "_speedups", []) +

@@ -1,5 +1,6 @@
-"""nbkit.speedups.fused_kernels wiring on CPU: which modules get the fused ops, that the model computes the same function, and that
-``detach`` restores everything (Liger's Triton kernels need a GPU: their numerics are tests/gpu/test_fused_gpu.py).
+"""nbkit.speedups.fused_kernels wiring on CPU: which modules get the fused ops, that the model computes the same
+function, and that ``detach`` restores everything (Liger's Triton kernels need a GPU: their numerics are
+tests/gpu/test_fused_gpu.py).
 
 The ops injected here are plain-torch versions of Liger's functional contract (casting modes 'llama' and 'gemma',
 RMSNorm offset, SwiGLU, tanh-GeGLU, RoPE). Tolerance: fp32 outputs and gradients equal to 1e-5 relative.

@@ -2,8 +2,8 @@
 
 Tolerances: fp32 on CPU, equal to 1e-6 relative (the same products, the LoRA term accumulated by the GEMM instead of
 added afterwards); bf16 autocast within 3e-2 relative of the largest value (PEFT rounds the LoRA term to bf16 three
-times, the fused path once); a whole FastSFT run in fp32 gives the same first loss as fused_lora=False to 1e-6 and later losses to 1e-4 (Adam
-scales up the rounding of gradients that start at zero).
+times, the fused path once); a whole FastSFT run in fp32 gives the same first loss as fused_lora=False to 1e-6 and
+later losses to 1e-4 (Adam scales up the rounding of gradients that start at zero).
 """
 
 from __future__ import annotations
@@ -122,8 +122,9 @@ def test_4bit_base_matches_peft(one_thread):
 def test_checkpoint_recompute_skips_the_final_base_gemm(one_thread, monkeypatch):
     """Non-reentrant checkpoint stops recomputing once the last saved tensor is back: the final projection's base
     GEMM (whose output backward never reads) runs twice per step, not three times; gradients unchanged."""
-    import nbkit.speedups.fused_lora as lora
     from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    import nbkit.speedups.fused_lora as lora
 
     calls: dict[int, int] = {}
     real = lora._dense_weight

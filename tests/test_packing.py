@@ -145,7 +145,7 @@ def test_metadata_built_once_per_batch_whatever_the_layer_count():
 
         original = KERNEL_FNS["sdpa_loop"]
 
-        def spy(q, k, v, run, call):
+        def spy(q, k, v, run, call, runs=runs, original=original):
             runs.append(run)
             return original(q, k, v, run, call)
 

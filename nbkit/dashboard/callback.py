@@ -177,7 +177,7 @@ class LiveDashboard(TrainerCallback):
         with self._lock:
             try:
                 reading = self._reader() if self._reader is not None else MemoryReading()
-            except Exception:  # noqa: BLE001 - a failed reading shows as unknown, it does not stop training
+            except Exception:  # a failed reading shows as unknown, it does not stop training
                 reading = MemoryReading()
             ranks = tuple(self.rank_memory.latest) if self.rank_memory is not None else ()
             return self._tracker.snapshot(self.clock(), reading, ranks)
@@ -198,7 +198,7 @@ class LiveDashboard(TrainerCallback):
         """Run a view's action; if it fails, say so once and stop displaying. A dashboard never stops training."""
         try:
             action(snap)
-        except Exception as exc:  # noqa: BLE001 - any display failure must stay out of the training loop
+        except Exception as exc:  # any display failure must stay out of the training loop
             self.view = None
             warnings.warn(f"nbkit LiveDashboard stopped displaying: {type(exc).__name__}: {exc}", stacklevel=3)
 

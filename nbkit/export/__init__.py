@@ -7,3 +7,25 @@
 - ``push``: ``push_to_hub`` -- upload a folder or file with huggingface_hub.
 - ``cli``: ``python -m nbkit export SOURCE --to merged|gguf ...``.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+_WHERE = {
+    "save_merged": ".merge",
+    "merge_folder": ".merge",
+    "export_gguf": ".gguf",
+    "QUANT_TYPES": ".gguf",
+    "write_modelfile": ".modelfile",
+    "push_to_hub": ".push",
+}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(_WHERE[name], __name__), name)
+    raise AttributeError(f"module 'nbkit.export' has no attribute {name!r}")
