@@ -51,6 +51,10 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _first_mismatch(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
 def _timed(fn: Any) -> tuple[float, list[int]]:
     _sync()
     t0 = time.perf_counter()
@@ -91,12 +95,13 @@ def run_model(label: str, model: torch.nn.Module, tokenizer: Any, args: argparse
             first_s, tokens = _timed(fn)
             for _ in range(max(0, args.warmup - 1)):
                 _timed(fn)
-            times = []
+            times, drift = [], []
             for _ in range(args.repeats):
                 seconds, again = _timed(fn)
                 times.append(seconds)
-                row.setdefault("repeatable", True)
-                row["repeatable"] = row["repeatable"] and again == tokens
+                drift.append(_first_mismatch(again, tokens))
+            # the same call again: the first token where it differs from the first call (None: identical)
+            row["repeat_first_mismatch"] = drift
         except Unsupported as error:
             rows.append(dict(row, error=f"fast path not applicable: {error}"))
             continue
@@ -109,7 +114,7 @@ def run_model(label: str, model: torch.nn.Module, tokenizer: Any, args: argparse
             row["capture_s"] = decoder.first_capture_s
             row["captures"] = decoder.captures
             row["identical"] = tokens == reference
-            row["first_mismatch"] = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+            row["first_mismatch"] = _first_mismatch(tokens, reference)
         rows.append(row)
         print({k: v for k, v in row.items() if k not in ("token_ids", "seconds")}, flush=True)
     return rows
@@ -121,14 +126,15 @@ def table(rows: list[dict]) -> str:
     base = {r["model"]: r for r in rows if r["path"] == "generate" and "error" not in r}
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['path']} | {r['error'][:90]} |" + " |" * 5)
+            lines.append(f"| {r['model']} | {r['path']} | {r['error'][:90]} |" + " |" * 6)
             continue
         ref = base.get(r["model"])
         speed = f"{r['tok_per_s'] / ref['tok_per_s']:.2f}x" if ref else "-"
         capture = f"{r['capture_s']:.2f}" if r.get("capture_s") is not None else "-"
         same = {True: "yes", False: f"no (from token {r.get('first_mismatch')})"}.get(r.get("identical"), "-")
         lines.append(f"| {r['model']} | {r['path']} | {r['tok_per_s']:,.1f} | {r['s_median']:.3f} "
-                     f"({r['s_min']:.3f}-{r['s_max']:.3f}) | {speed} | {r['first_call_s']:.2f} | {capture} | {same} |")
+                     f"({r['s_min']:.3f}-{r['s_max']:.3f}) | {speed} | {r['first_call_s']:.2f} | {capture} | {same} | "
+                     f"{', '.join('-' if d is None else str(d) for d in r['repeat_first_mismatch'])} |")
     return "\n".join(lines)
 
 

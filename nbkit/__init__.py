@@ -1,7 +1,7 @@
 """nbkit: faster, watchable LLM fine-tuning in notebooks.
 
-Public API: ``FastSFT``, ``FastSFTConfig``, ``load_model``, ``LiveDashboard``, and after training ``chat``,
-``save_merged``, ``export_gguf``. Imported lazily so that
+Public API: ``FastSFT``, ``FastSFTConfig``, ``load_model``, ``LiveDashboard``, and after training ``save_merged``,
+``export_gguf`` (and ``nbkit.chat.chat``). Imported lazily so that
 ``import nbkit`` stays cheap in a notebook's first cell.
 """
 
@@ -22,14 +22,13 @@ class _DropHubKernelHint(logging.Filter):
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropHubKernelHint())
 
 __version__ = "0.1.0"
-__all__ = ["FastSFT", "FastSFTConfig", "load_model", "LiveDashboard", "chat", "save_merged", "export_gguf", "__version__"]
+__all__ = ["FastSFT", "FastSFTConfig", "load_model", "LiveDashboard", "save_merged", "export_gguf", "__version__"]
 
 _WHERE = {
     "FastSFT": ".trainer",
     "FastSFTConfig": ".config",
     "load_model": ".loading",
     "LiveDashboard": ".dashboard",
-    "chat": ".chat",
     "save_merged": ".export",
     "export_gguf": ".export",
 }

