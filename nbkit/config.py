@@ -134,6 +134,11 @@ class FastSFTConfig(SFTConfig):
     )
 
     def __post_init__(self) -> None:
+        if getattr(self, "activation_checkpointing", False) is None and self.gradient_checkpointing is not None:
+            # transformers 5.2x renamed the field; TRL still sets the old one: hand it over without the FutureWarning
+            self.activation_checkpointing = self.gradient_checkpointing
+            if self.gradient_checkpointing_kwargs is not None and getattr(self, "activation_checkpointing_kwargs", 1) is None:
+                self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs
         for name in settings.SWITCH_VALUES:
             settings.check_value(name, getattr(self, name))
         self.bf16, self.fp16, chosen = settings.mixed_precision(self.bf16, self.fp16, use_cpu=bool(self.use_cpu))

@@ -367,6 +367,14 @@ def test_01_qlora_quickstart(workdir):
     assert r["merged_dtype"] == "bfloat16"
     assert (out / "merged-16bit" / "config.json").is_file() and list((out / "merged-16bit").glob("*.safetensors"))
     assert r["loss_merged"] < r["loss_before"] and r["exact_match_merged"] >= 0.5
+    # chat after training answers the first held-out question the way the trained model does (streamed, stopped)
+    assert r["chat_reply"].strip() == r["answers_after"][0].strip(), (r["chat_reply"], r["answers_after"][0])
+    # save_merged merged into the 16-bit base and checked its logits against the adapter model's
+    assert r["merge"]["check"] is not None and r["merge"]["check"]["ok"], r["merge"]
+    # the GGUF file was read back and checked, has its Modelfile, and the reloaded file answers the same question
+    assert r["gguf"]["quant"] == "q8_0" and r["gguf"]["check"]["ok"] and r["gguf"]["modelfile"], r["gguf"]
+    assert (out / "gguf" / "model-q8_0.gguf").stat().st_size > 0 and (out / "gguf" / "Modelfile").is_file()
+    assert r["gguf_reply"].strip() == r["chat_reply"].strip(), (r["gguf_reply"], r["chat_reply"])
     # the dashboard: one display in the notebook (no flooding), now the static summary with the numbers in it
     assert r["dashboard_mode"] == "widget"
     summaries = dashboard_outputs(nb)

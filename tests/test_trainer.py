@@ -138,3 +138,21 @@ def test_flash_attn_absent_fails_before_training_and_loses_nothing(tokenizer, tm
     assert model.config._attn_implementation != "nbkit"
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
+
+
+@pytest.mark.parametrize("eos_trained", [False, True])
+def test_fastsft_warns_before_training_when_no_row_trains_the_stop_token(tokenizer, tmp_path, caplog, eos_trained):
+    """Pre-tokenized rows whose completion mask leaves the eos token out: the model would never learn to stop."""
+    from datasets import Dataset
+
+    eos = tokenizer.eos_token_id
+    rows = []
+    for i in range(8):
+        body = [10 + (i + j) % 50 for j in range(12)]
+        rows.append({"input_ids": body + [eos], "completion_mask": [0] * 6 + [1] * 6 + [int(eos_trained)]})
+    with caplog.at_level(logging.WARNING, logger="nbkit.reliability.stop_token"):
+        trainer = FastSFT(model=_model(tokenizer), processing_class=tokenizer, train_dataset=Dataset.from_list(rows),
+                          args=_args(FastSFTConfig, tmp_path, packing=False))
+    warned = [r for r in caplog.records if "stop token" in r.getMessage()]
+    assert trainer.nbkit_stop_token is not None and trainer.nbkit_stop_token.ok is eos_trained
+    assert bool(warned) is not eos_trained

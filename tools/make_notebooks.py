@@ -116,8 +116,9 @@ NB01 = [
     # QLoRA fine-tuning in one notebook, with nbkit
 
     Load a model in 4-bit with LoRA adapters, build a chat dataset with the model's own chat template, train with
-    `nbkit.FastSFT` while the live dashboard shows speed, loss and memory, compare answers before and after, save the
-    adapter, merge it into a 16-bit model, and reload both to check they are what was trained.
+    `nbkit.FastSFT` while the live dashboard shows speed, loss and memory, compare answers before and after, chat with
+    the trained model (streamed), save the adapter, merge it into a 16-bit model, export a GGUF file for llama.cpp /
+    Ollama (pure Python: nothing to build), and reload each to check it is what was trained.
 
     The task is nbkit's shipped demo: *reverse the words* (`"Reverse the words: red fox moon"` ->
     `"moon fox red"`). It is generated, so it needs no download, and scored on held-out prompts.
@@ -138,6 +139,7 @@ NB01 = [
     train_examples = 2000
     eval_examples = 16  # held-out prompts scored before and after
     own_data = None  # path of a JSONL file with one {"messages": [...]} per line, to train on instead of the demo
+    gguf_quant = "q8_0"  # GGUF type: f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0 (nbkit.export.QUANT_TYPES)
     """, "01_qlora_quickstart"),
     SETUP,
     md("## The model"),
@@ -319,6 +321,20 @@ NB01 = [
     md_table(["question", "expected", "before", "after"],
              [[q, r, b, a] for q, r, b, a in list(zip(questions, references, before, after))[:8]])
     """),
+    md("""
+    ## Chat with it
+
+    `nbkit.chat.chat` applies the chat template, streams the answer as it is generated and stops at the template's
+    end-of-turn token; on a GPU it decodes through a captured CUDA-graph step (the same tokens as `generate`, faster).
+    """),
+    code("""
+    from nbkit.chat import chat
+
+    question = questions[0]
+    print("Q:", question)
+    print("A: ", end="")
+    results["chat_reply"] = chat(model, tokenizer, question, max_new_tokens=32)
+    """),
     md("## Save the adapter, reload it, check it"),
     code("""
     adapter_dir = out / "adapter"
@@ -357,17 +373,16 @@ NB01 = [
     keeps what training taught it.
     """),
     code("""
+    from nbkit.export import save_merged
+
     merge_dtype = torch.float16 if compute_dtype == torch.float16 else torch.bfloat16
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    base16 = AutoModelForCausalLM.from_pretrained(choice.path, dtype=merge_dtype, device_map=device_map)
-    merged = PeftModel.from_pretrained(base16, str(adapter_dir)).merge_and_unload()
     merged_dir = out / "merged-16bit"
-    merged.save_pretrained(str(merged_dir))
-    tokenizer.save_pretrained(str(merged_dir))
-    del merged, base16
-    gc.collect()
+    # reloads the base in 16-bit, merges the adapter into it, saves, and checks the merged logits against the adapter's
+    merge_report = save_merged(model, tokenizer, merged_dir, check_prompts=questions[:4])
+    results["merge"] = merge_report.as_dict()
     print(merged_dir, sorted(p.name for p in merged_dir.iterdir()))
     """),
     code("""
@@ -384,6 +399,37 @@ NB01 = [
           f"{results['merged_agrees_with_adapter']:.0%} of prompts")
     assert results["loss_merged"] < results["loss_before"], "the merged model lost what training taught it"
     """),
+    md("""
+    ## Export GGUF for llama.cpp and Ollama
+
+    Written in pure Python with the `gguf` package (llama.cpp's own writer): no llama.cpp build, no download. The file
+    is read back with transformers' GGUF reader and its logits compared with the merged model's; an Ollama
+    `Modelfile` (template and stop tokens) is written beside it: `ollama create my-model -f Modelfile`.
+    """),
+    code("""
+    from nbkit.export import export_gguf
+
+    gguf_report = export_gguf(merged_dir, out / "gguf" / f"model-{gguf_quant}.gguf", quant=gguf_quant)
+    results["gguf"] = gguf_report.as_dict()
+    print(gguf_report.path, f"({gguf_report.path.stat().st_size / 2**20:.1f} MiB)")
+    print(gguf_report.modelfile.read_text())
+    """),
+    code("""
+    # Reload the GGUF file (transformers' reader) and ask the same question. The reader rebuilds a config from the
+    # file but skips a few values llama.cpp reads (e.g. Qwen3's head size), so the merged folder's config is passed.
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_report.path.parent), gguf_report.path.name
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                      config=AutoConfig.from_pretrained(str(merged_dir)))
+    gguf_tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if not getattr(gguf_tokenizer, "chat_template", None):
+        gguf_tokenizer.chat_template = tokenizer.chat_template
+    print("Q:", question)
+    print("A: ", end="")
+    results["gguf_reply"] = chat(gguf_model, gguf_tokenizer, question, max_new_tokens=32)
+    del gguf_model
+    """),
     md("## Summary"),
     code("""
     (out / "results.json").write_text(json.dumps(results, indent=2))
@@ -396,6 +442,7 @@ NB01 = [
                         f"(merged: {results['exact_match_merged']:.0%})"],
         ["adapter", str(adapter_dir)],
         ["merged 16-bit model", str(merged_dir)],
+        ["GGUF", f"{gguf_report.path} ({gguf_quant})"],
         ["all numbers", str(out / "results.json")],
     ])
     """),
@@ -949,7 +996,7 @@ NB04 = [
     results["exact_match_before"] = exact_match(before, references)
     print(f"exact match before: {results['exact_match_before']:.0%}, held-out loss {results['loss_before']:.3f}")
     """),
-    md("## Train with FastSFT (fast MoE routing on)"),
+    md("## Train with FastSFT (fast MoE routing on, where this nbkit has it)"),
     code("""
     def config(**switches):
         return FastSFTConfig(
@@ -961,7 +1008,7 @@ NB04 = [
         )
 
 
-    trainer = FastSFT(model=model, args=config(fast_moe_routing=True), train_dataset=train_dataset,
+    trainer = FastSFT(model=model, args=config(fast_moe_routing=routing_available), train_dataset=train_dataset,
                       processing_class=tokenizer)
     keep_trainable_fp32(trainer)
     probe = RunProbe()

@@ -151,8 +151,9 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(state: Iterator[tuple[str, np.ndarray]], config: Any, family: Family) -> Iterator[tuple[str, np.ndarray]]:
-    """(GGUF name, float32 array) for each tensor of a transformers state, transformed for llama.cpp."""
+def gguf_tensors(state: Iterator[tuple[str, np.ndarray]], config: Any,
+                 family: Family) -> Iterator[tuple[str | None, str, np.ndarray]]:
+    """(transformers name or None, GGUF name, float32 array) for each tensor, transformed for llama.cpp."""
     import gguf
 
     arch = getattr(gguf.MODEL_ARCH, family.arch)
@@ -162,7 +163,7 @@ def gguf_tensors(state: Iterator[tuple[str, np.ndarray]], config: Any, family: F
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     factors = llama3_rope_factors(config)
     if factors is not None:
-        yield gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors
+        yield None, gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors
     for name, data in state:
         if name.endswith(("rotary_emb.inv_freq", "attention.masked_bias")):
             continue
@@ -179,4 +180,4 @@ def gguf_tensors(state: Iterator[tuple[str, np.ndarray]], config: Any, family: F
             data = _permute(data, kv_heads)
         if family.norm_shift and name.endswith("norm.weight"):
             data = data + np.float32(family.norm_shift)
-        yield out, data
+        yield name, out, data

@@ -152,7 +152,7 @@ def write_vocab(writer: Any, tokenizer: Any, vocab_size: int) -> dict:
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     if spm:
-        writer.add_token_scores(np.asarray(scores, dtype=np.float32))
+        writer.add_token_scores([float(np.float32(x)) for x in scores])
         normal = _parts(spec.get("normalizer")) + _parts(spec.get("pre_tokenizer"))
         prefix = any((p.get("type") == "Prepend" and p.get("prepend") == "\u2581")
                      or (p.get("type") == "Metaspace" and p.get("prepend_scheme", "always") != "never")

@@ -88,11 +88,11 @@ class StopTokenCheck:
 
 def _trained_labels(row: Mapping[str, Any]) -> list[int]:
     """The label ids of one row that the loss sees (TRL's masks or labels; every token when there is neither)."""
-    ids = list(row["input_ids"])
-    if row.get("labels") is not None:
-        return [int(x) for x in row["labels"] if int(x) != -100]
+    labels = row.get("labels")
+    ids = list(labels if labels is not None else row["input_ids"])
+    # TRL builds labels from the ids and applies completion/assistant masks in the collator: both count
     masks = [row[k] for k in ("completion_mask", "assistant_masks") if row.get(k) is not None]
-    return [int(t) for t, *bits in zip(ids, *masks) if all(bits)]
+    return [int(t) for t, *bits in zip(ids, *masks) if all(bits) and int(t) != -100]
 
 
 def check_stop_token(

@@ -28,8 +28,10 @@ import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..config import switch
+from ..speedups.ledger import unwrap_model
 from . import checkpoints, nonfinite, oom
 from .guards import validate_training_inputs
+from .stop_token import ROWS_CHECKED, StopTokenCheck, check_stop_token
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,9 @@ class ReliableTraining:
         self._nbkit_locator: nonfinite.DocumentLocator | None = None
         self._nbkit_check_inputs(model, args, data_collator, pargs, kwargs)
         super().__init__(model, args, data_collator, *pargs, **kwargs)
+        self.nbkit_stop_token: StopTokenCheck | None = None
+        if switch(self.args, "validate_inputs") and self.train_dataset is not None:
+            self.nbkit_stop_token = self._nbkit_check_stop_token()
 
     # -- input checks --------------------------------------------------------------------------------------------------
     def _nbkit_check_inputs(self, model: Any, args: Any, data_collator: Any, pargs: tuple, kwargs: dict) -> None:
@@ -71,6 +76,15 @@ class ReliableTraining:
             data_collator=data_collator,
             formatting_func=self._nbkit_formatting_func,
         )
+
+    def _nbkit_check_stop_token(self) -> StopTokenCheck | None:
+        """Warn before training when no prepared row trains the end-of-turn / eos token (the model would never stop)."""
+        dataset = self.train_dataset
+        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__") or self.processing_class is None:
+            return None  # iterable datasets: reading rows here would consume them
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        rows = (dataset[i] for i in range(min(len(dataset), ROWS_CHECKED)))
+        return check_stop_token(tokenizer, rows, getattr(unwrap_model(self.model), "generation_config", None))
 
     # -- train ---------------------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):

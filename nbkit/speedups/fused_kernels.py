@@ -4,7 +4,7 @@ Why: in a profiled FastSFT step (H200, Qwen3-1.7B QLoRA, 16K tokens) the decoder
 embedding ran as chains of small elementwise kernels (fp32 upcasts, pow, mean, rsqrt, multiplies, casts, slices and
 concatenations), each reading and writing a full activation: together with the LoRA glue, more GPU time than the
 matrix products. Liger-Kernel already ships one Triton kernel per op with a matching backward, so nbkit uses it
-(an optional dependency: ``pip install nbkit[liger]``) rather than its own kernels.
+(an optional dependency: ``pip install "nbkit-sft[liger]"``) rather than its own kernels.
 
 How it hooks in:
 - RMSNorm modules and gated MLPs get an instance ``forward`` that calls Liger's op (removed on ``detach``).
@@ -131,7 +131,7 @@ class FusedKernels:
                 return False
             ops = liger_ops()
             if ops is None:
-                logger.warning("nbkit: fused_kernels needs Liger-Kernel (pip install nbkit[liger]); plain modules kept")
+                logger.warning("nbkit: fused_kernels needs Liger-Kernel (pip install 'nbkit-sft[liger]'); plain modules kept")
                 return False
         offset, casting, gate, rope = FAMILIES[family]
         text_config = config.get_text_config()

@@ -85,7 +85,7 @@ def choose_kernel(requested: str, config: Any, device: torch.device) -> tuple[st
     if requested == "flash_attn":
         if not flash_attn_available():
             raise ValueError(
-                "attention_kernel='flash_attn' but flash-attn is not installed: `pip install nbkit[flash]` "
+                "attention_kernel='flash_attn' but flash-attn is not installed: `pip install 'nbkit-sft[flash]'` "
                 "(a prebuilt wheel for your torch/CUDA), or use attention_kernel='auto'."
             )
         if sinks:
