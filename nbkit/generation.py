@@ -18,14 +18,20 @@ import torch
 
 @torch.no_grad()
 def generate_answers(
-    model: torch.nn.Module, tokenizer: Any, questions: Sequence[str], max_new_tokens: int = 12, batch_size: int = 32
+    model: torch.nn.Module, tokenizer: Any, questions: Sequence[str], max_new_tokens: int = 12, batch_size: int = 32,
+    min_new_tokens: int = 0,
 ) -> list[str]:
-    """Greedy answers of ``model`` to chat ``questions`` (left-padded batches), decoded without special tokens."""
+    """Greedy answers of ``model`` to chat ``questions`` (left-padded batches), decoded without special tokens.
+
+    MoE models are asked for no router logits: TRL's ``SFTTrainer`` turns ``output_router_logits`` on in the config
+    for its auxiliary loss, and with it a padded ``generate`` fails at the first decode step."""
     was_training = model.training
     model.eval()
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     device = next(p.device for p in model.parameters())
     answers: list[str] = []
+    config = getattr(model, "config", None)
+    router = {"output_router_logits": False} if getattr(config, "output_router_logits", None) else {}
     try:
         for start in range(0, len(questions), batch_size):
             prompts = [
@@ -42,6 +48,8 @@ def generate_answers(
                 use_cache=True,
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
+                min_new_tokens=min_new_tokens,
+                **router,
             )
             new = out[:, batch["input_ids"].shape[1] :]
             answers += [text.strip() for text in tokenizer.batch_decode(new, skip_special_tokens=True)]

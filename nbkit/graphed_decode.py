@@ -15,6 +15,9 @@ How, and why the tokens stay exactly those of ``model.generate(do_sample=False)`
   fixed padded length, as compiled static-cache decoding does, changes kernels and rounding: its tokens drift
   from ``generate``'s.)
 - the next token is the argmax of the float32 logits, as in ``generate`` without logits processors.
+"The same tokens" holds as far as ``generate`` reproduces itself: where two logits nearly tie (a random-weight
+model after a few hundred tokens, say), run-to-run differences in GPU kernels (e.g. bitsandbytes' 4-bit kernels)
+can flip a token in two plain ``generate`` calls already, and then in this path too.
 
 Not covered (``GraphedDecoder.unsupported`` names the reason; callers then use ``generate``): no CUDA; generation
 settings that change greedy choices (repetition penalty, forced or suppressed tokens, ...); attention

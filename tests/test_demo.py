@@ -293,3 +293,18 @@ def test_demo_rejects_bad_options():
         with pytest.raises(SystemExit):
             parse_args(argv)
     assert parse_args([]).family == "qwen3" and parse_args(["--no-4bit"]).load_in_4bit is False
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_demo_answers_reach_decode_steps_on_a_moe_model_left_in_trls_training_state(family):
+    """TRL's SFTTrainer sets output_router_logits=True (plain TRL keeps it after train()); the demo's and the
+    notebooks' answers must still decode (a padded generate used to fail at its first decode step)."""
+    from nbkit.generation import generate_answers
+
+    tok = load_demo_tokenizer()
+    model = tiny_model(family, len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    model.config.output_router_logits = True  # what SFTTrainer.__init__ leaves on a MoE config
+    questions = ["Reverse the words: red fox", "Reverse the words: one two three four five"]  # different lengths: padded
+    answers = generate_answers(model, tok, questions, max_new_tokens=4, min_new_tokens=4)
+    assert len(answers) == 2
+    assert model.config.output_router_logits is True  # the caller's config is left as it was

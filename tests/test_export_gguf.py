@@ -3,8 +3,7 @@ source's logits and token ids; the real SmolLM2-135M-Instruct in f16 and q8_0; w
 
 Bounds (relative logit difference, max |diff| / max |logit|, over every position of the check prompts): the file
 read back against the source rounded as stored, 1e-4 for every type (``FILE_TOLERANCE``); against the unquantized
-source, ``nbkit.export.gguf.BOUND`` per type; the real model: f16 exact (its weights are bf16), q8_0 within 0.1
-with >= 90% top-1 agreement.
+source, ``nbkit.export.gguf.BOUND`` per type; the real model in q8_0 within 0.1 with >= 90% top-1 agreement.
 """
 
 from __future__ import annotations
@@ -167,12 +166,11 @@ def test_what_is_not_covered_says_so(tmp_path, demo_tok):
         export_gguf(src, tmp_path / "x.gguf", quant="q4_k_m")
 
 
-@pytest.mark.parametrize("quant,bound", [("f16", 1e-6), ("q8_0", 0.1)])
-def test_the_real_model_round_trips(tmp_path, smollm2_dir, quant, bound):
-    report = export_gguf(smollm2_dir, tmp_path / f"smollm2-{quant}.gguf", quant=quant)
-    assert report.arch == "llama" and report.tokenizer_round_trip
+def test_the_real_model_round_trips_in_q8_0(tmp_path, smollm2_dir):
+    report = export_gguf(smollm2_dir, tmp_path / "smollm2-q8_0.gguf", quant="q8_0")
+    assert report.arch == "llama" and report.tokenizer_round_trip and report.vocab["model"] == "gpt2"
     assert report.check.rel <= FILE_TOLERANCE, report.check.line()
-    assert report.quantization.rel <= bound and report.quantization.top1 >= 0.9, report.quantization.line()
+    assert report.quantization.rel <= 0.1 and report.quantization.top1 >= 0.9, report.quantization.line()
     assert report.tensor_types.get("F32", 0) == 61  # 30 x 2 block norms + the output norm
     text = report.modelfile.read_text()
     assert "You are a helpful AI assistant named SmolLM" in text  # the template's default system prompt

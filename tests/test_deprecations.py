@@ -1,0 +1,64 @@
+"""nbkit's own calls raise no deprecation warnings on the newest transformers the requirements allow (5.2x renamed
+gradient checkpointing to activation checkpointing; nbkit uses whichever name the installed version has)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from nbkit.demo.models import build_base
+
+
+def _deprecations(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))
+            and "checkpointing" in str(w.message)]
+
+
+def test_fastsft_config_hands_the_checkpointing_switch_over_without_a_warning(tmp_path):
+    from nbkit import FastSFTConfig
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        on = FastSFTConfig(output_dir=str(tmp_path), use_cpu=True)
+        off = FastSFTConfig(output_dir=str(tmp_path), use_cpu=True, gradient_checkpointing=False)
+    assert _deprecations(caught) == []
+    assert on.gradient_checkpointing is True and off.gradient_checkpointing is False
+    if hasattr(on, "activation_checkpointing"):
+        assert on.activation_checkpointing is True and off.activation_checkpointing is False
+
+
+def _callers_of_deprecated_names(monkeypatch) -> list[str]:
+    """Record the module that calls each deprecated checkpointing entry point (PEFT and TRL still call some: those
+    are theirs, not nbkit's)."""
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    callers: list[str] = []
+    for name in ("gradient_checkpointing_enable", "gradient_checkpointing_disable"):
+        original = getattr(PreTrainedModel, name, None)
+        if original is None:
+            continue
+
+        def spy(self, *args, _original=original, _name=name, **kwargs):
+            callers.append(f"{inspect.stack()[1].frame.f_globals.get('__name__')}:{_name}")
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(PreTrainedModel, name, spy)
+    return callers
+
+
+@pytest.mark.parametrize("load_in_4bit", [False, True])
+def test_load_model_enables_checkpointing_under_the_installed_name(tmp_path, load_in_4bit, one_thread, monkeypatch):
+    from transformers import PreTrainedModel
+
+    from nbkit import load_model
+
+    folder = tmp_path / "base"
+    build_base(folder, "qwen3", seed=0)
+    callers = _callers_of_deprecated_names(monkeypatch)
+    model, _ = load_model(str(folder), load_in_4bit=load_in_4bit)
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    if hasattr(PreTrainedModel, "activation_checkpointing_enable"):  # the new name exists: nbkit must not use the old
+        assert [c for c in callers if c.startswith("nbkit")] == [], callers
