@@ -122,7 +122,7 @@ def run_model(label: str, model: torch.nn.Module, tokenizer: Any, args: argparse
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | path | tok/s (median) | s per call (min-max) | speedup | first call s | capture s | "
-             "identical ids |", "|" + "---|" * 8]
+             "identical ids | repeats differ from token |", "|" + "---|" * 9]
     base = {r["model"]: r for r in rows if r["path"] == "generate" and "error" not in r}
     for r in rows:
         if "error" in r:

@@ -6,11 +6,16 @@
 - ``modelfile``: ``write_modelfile`` -- an Ollama ``Modelfile`` beside the GGUF (template, stop tokens).
 - ``push``: ``push_to_hub`` -- upload a folder or file with huggingface_hub.
 - ``cli``: ``python -m nbkit export SOURCE --to merged|gguf ...``.
+
+The names below are imported on first use, so ``import nbkit.export`` stays cheap.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+__all__ = ["save_merged", "merge_folder", "export_gguf", "QUANT_TYPES", "write_modelfile", "push_to_hub",
+           "ExportCheckError"]
 
 _WHERE = {
     "save_merged": ".merge",
@@ -19,8 +24,8 @@ _WHERE = {
     "QUANT_TYPES": ".gguf",
     "write_modelfile": ".modelfile",
     "push_to_hub": ".push",
+    "ExportCheckError": ".compare",
 }
-__all__ = list(_WHERE)
 
 
 def __getattr__(name: str) -> Any:
