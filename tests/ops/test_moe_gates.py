@@ -11,8 +11,6 @@ be on before triton is imported), at the same tolerance, and compiled for sm_90 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ import torch.nn.functional as F
 
 from nbkit.ops import moe_gates
 from nbkit.ops.moe_gates import GATES, gate_activation, gate_backward, gate_forward
+from tests.ops.triton_checks import compile_for_sm90, ptrs, run_interpreted
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 ALPHA, LIMIT = 1.702, 1.0  # gpt-oss's alpha; a limit that pre-activations of N(0, 1.5) cross often
@@ -106,26 +105,12 @@ print("GATES_TRITON_OK")
 
 
 def test_triton_gate_kernels_equal_the_torch_twin_interpreted():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0 and "GATES_TRITON_OK" in proc.stdout, proc.stderr[-3000:]
+    run_interpreted(_TRITON_SCRIPT, "GATES_TRITON_OK")
 
 
 def test_gate_kernels_compile_for_h100_class_gpus(tmp_path, monkeypatch):
     """Each kernel compiles to a cubin for sm_90 (the H200), without a GPU: catches compile-only errors."""
-    triton = pytest.importorskip("triton")
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError:
-        pytest.skip("this triton has no ASTSource/GPUTarget")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-
-    def ptrs(names, t):
-        return {n: t for n in names}
-
     scalars = {"n_cols": "i32", "alpha": "fp32", "limit": "fp32"}
     fwd = {**ptrs(["gu_ptr", "bias_ptr"], "*bf16"), "eid_ptr": "*i64", "h_ptr": "*bf16", **scalars}
     bwd = {**ptrs(["gu_ptr", "bias_ptr"], "*bf16"), "eid_ptr": "*i64", **ptrs(["gh_ptr", "dgu_ptr"], "*bf16"),
@@ -133,7 +118,4 @@ def test_gate_kernels_compile_for_h100_class_gpus(tmp_path, monkeypatch):
     cases = [(fn, sig, {"GPTOSS": gptoss, "HAS_BIAS": True, "BLOCK": 1024})
              for fn, sig in ((moe_gates.gate_fwd_kernel, fwd), (moe_gates.gate_bwd_kernel, bwd))
              for gptoss in (True, False)]
-    for fn, sig, consts in cases:
-        sig = {**sig, **{name: "constexpr" for name in consts}}
-        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
-        assert compiled.asm.get("cubin"), fn
+    compile_for_sm90(cases, str(tmp_path))

@@ -10,14 +10,13 @@ before triton is imported), at the same tolerance, and compiled for sm_90 withou
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from nbkit.ops import moe_routing
 from nbkit.ops.moe_routing import add_lora, combine, dispatch, experts_linear, route
+from tests.ops.triton_checks import compile_for_sm90, ptrs, run_interpreted
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 T, K, E = 13, 2, 6
@@ -145,26 +144,12 @@ print("ROUTING_TRITON_OK")
 
 
 def test_triton_dispatch_and_combine_equal_the_torch_twin_interpreted():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0 and "ROUTING_TRITON_OK" in proc.stdout, proc.stderr[-3000:]
+    run_interpreted(_TRITON_SCRIPT, "ROUTING_TRITON_OK")
 
 
 def test_combine_kernels_compile_for_h100_class_gpus(tmp_path, monkeypatch):
     """Each kernel compiles to a cubin for sm_90 (the H200), without a GPU: catches compile-only errors."""
-    triton = pytest.importorskip("triton")
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError:
-        pytest.skip("this triton has no ASTSource/GPUTarget")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-
-    def ptrs(names, t):
-        return {n: t for n in names}
-
     cases = [
         (moe_routing.unsort_sum_kernel, {"y_ptr": "*bf16", "inv_ptr": "*i64", **ptrs(["w_ptr", "bias_ptr"], "*bf16"),
                                          "eid_ptr": "*i64", "out_ptr": "*bf16", "n_cols": "i32"},
@@ -174,7 +159,4 @@ def test_combine_kernels_compile_for_h100_class_gpus(tmp_path, monkeypatch):
                                           "gy_ptr": "*bf16", "gw_ptr": "*fp32"},
          {"n_cols": 2880, "HAS_BIAS": True, "NEED_GW": True, "BLOCK": 1024}),
     ]
-    for fn, sig, consts in cases:
-        sig = {**sig, **{name: "constexpr" for name in consts}}
-        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
-        assert compiled.asm.get("cubin"), fn
+    compile_for_sm90(cases, str(tmp_path))
