@@ -10,7 +10,6 @@ be on before triton is imported), at the same tolerance, and compiled for sm_90 
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -24,7 +23,6 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 ALPHA, LIMIT = 1.702, 1.0  # gpt-oss's alpha; a limit that pre-activations of N(0, 1.5) cross often
 S, N, E = 17, 24, 5
 EMPTY = 3  # an expert with no rows
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def plain_gate(z: torch.Tensor, kind: str) -> torch.Tensor:

@@ -9,7 +9,6 @@ before triton is imported), at the same tolerance, and compiled for sm_90 withou
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ from tests.ops.triton_checks import compile_for_sm90, ptrs, run_interpreted
 TOL = dict(rtol=1e-4, atol=1e-5)
 T, K, E = 13, 2, 6
 EMPTY = (2, 5)  # experts no token is routed to
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _index(tokens: int = T, top_k: int = K, seed: int = 0) -> torch.Tensor:
