@@ -10,7 +10,6 @@ be on before triton is imported), at the same tolerance, and compiled for sm_90 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F

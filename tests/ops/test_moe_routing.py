@@ -9,7 +9,6 @@ before triton is imported), at the same tolerance, and compiled for sm_90 withou
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
