@@ -128,6 +128,7 @@ versions() {
     "$PY" - $KEY_PACKAGES torchvision torchaudio <<'EOF'
 import sys
 from importlib import metadata
+sys.path[:] = [p for p in sys.path if p not in ("", ".")]  # not the working directory (a checkout's egg-info)
 for name in sys.argv[1:]:
     try:
         print(name, metadata.version(name))
