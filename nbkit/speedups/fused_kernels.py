@@ -15,7 +15,7 @@ How it hooks in:
 Contract: only families whose RMSNorm casting, MLP activation and RoPE layout are known to match Liger's are touched
 (``FAMILIES``); any other module keeps its own forward. Liger's kernels need a CUDA (or other Triton) device; on CPU
 the speedup does not attach. Numerics: the same math in fp32 inside one kernel, so bf16 outputs differ from the
-unfused chain only by rounding (GPU parity test: tests/gpu/test_kernels_gpu.py).
+unfused chain only by rounding (GPU parity test: tests/gpu/test_fused_gpu.py).
 """
 
 from __future__ import annotations
