@@ -115,4 +115,7 @@ def test_the_real_model_merges_in_bfloat16_within_its_tolerance(tmp_path, smollm
     report = save_merged(model, tokenizer, tmp_path / "merged")
     assert report.dtype == "bfloat16" and report.check.ok and report.check.rel <= TOLERANCE[torch.bfloat16]
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
-    assert compare("base vs merged", before, logits_of(merged, rows), None).rel > 10 * report.check.rel
+    changed = compare("base vs merged", before, logits_of(merged, rows), None).rel
+    # the merge did something: a merge that dropped the adapter would change the logits by no more than bf16 rounding
+    # while its check (merged vs adapter model) would show the whole adapter effect
+    assert changed > 3 * report.check.rel, (changed, report.check.rel)
