@@ -13,3 +13,22 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def fake_display(monkeypatch):
+    """IPython's display replaced by a recorder (``dashboard_fakes.FakeDisplay``)."""
+    import IPython.display
+    from dashboard_fakes import FakeDisplay
+
+    fake = FakeDisplay()
+    monkeypatch.setattr(IPython.display, "display", fake)
+    return fake
+
+
+@pytest.fixture
+def no_env_mode(monkeypatch):
+    """No NBKIT_DASHBOARD from the environment choosing the dashboard's mode."""
+    from nbkit.dashboard.mode import ENV_MODE
+
+    monkeypatch.delenv(ENV_MODE, raising=False)

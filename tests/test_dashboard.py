@@ -18,7 +18,8 @@ from nbkit import memory
 from nbkit.dashboard import LiveDashboard, MemoryReading, in_notebook, resolve_mode, views
 
 GIB = 2**30
-pytestmark = pytest.mark.filterwarnings("ignore:LiveDashboard was added with add_callback")
+pytestmark = [pytest.mark.filterwarnings("ignore:LiveDashboard was added with add_callback"),
+              pytest.mark.usefixtures("no_env_mode")]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -36,45 +37,9 @@ class FakeClock:
         self.t += dt
 
 
-class FakeHandle:
-    def __init__(self) -> None:
-        self.updates: list = []
-
-    def update(self, obj) -> None:
-        self.updates.append(obj)
-
-
-class FakeDisplay:
-    """Stands in for IPython.display.display: records each call, returns a handle that records updates."""
-
-    def __init__(self) -> None:
-        self.calls: list = []
-        self.handles: list[FakeHandle] = []
-
-    def __call__(self, obj, display_id=False):
-        self.calls.append(obj)
-        handle = FakeHandle()
-        self.handles.append(handle)
-        return handle if display_id else None
-
-
 class TtyIO(io.StringIO):
     def isatty(self) -> bool:
         return True
-
-
-@pytest.fixture
-def fake_display(monkeypatch):
-    import IPython.display
-
-    fake = FakeDisplay()
-    monkeypatch.setattr(IPython.display, "display", fake)
-    return fake
-
-
-@pytest.fixture(autouse=True)
-def no_env_mode(monkeypatch):
-    monkeypatch.delenv(dash.ENV_MODE, raising=False)
 
 
 ARGS = types.SimpleNamespace(device=torch.device("cpu"), eval_strategy="no")

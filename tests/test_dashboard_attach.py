@@ -8,7 +8,7 @@ import types
 
 import pytest
 import torch
-from test_dashboard import ARGS, GIB, FakeClock, FakeDisplay, begin, fixed_memory, step
+from test_dashboard import ARGS, GIB, FakeClock, begin, fixed_memory, step
 from transformers import TrainerCallback, TrainerControl, TrainerState
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, ProgressCallback
 
@@ -17,15 +17,6 @@ from nbkit.dashboard import LiveDashboard, MemoryReading, attach_dashboard
 from nbkit.distributed import RankMemory, RankMemoryCallback
 
 pytestmark = pytest.mark.filterwarnings("ignore:LiveDashboard was added with add_callback")
-
-
-@pytest.fixture
-def fake_display(monkeypatch):
-    import IPython.display
-
-    fake = FakeDisplay()
-    monkeypatch.setattr(IPython.display, "display", fake)
-    return fake
 
 
 # ---------------------------------------------------------------------------------------------------------------

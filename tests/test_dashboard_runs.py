@@ -10,28 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_dashboard import FakeDisplay
 from transformers.trainer_callback import ProgressCallback
 
 from nbkit import dashboard as dash
 from nbkit.dashboard import LiveDashboard, attach_dashboard
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.filterwarnings("ignore:LiveDashboard was added with add_callback")
-
-
-@pytest.fixture
-def fake_display(monkeypatch):
-    import IPython.display
-
-    fake = FakeDisplay()
-    monkeypatch.setattr(IPython.display, "display", fake)
-    return fake
-
-
-@pytest.fixture(autouse=True)
-def no_env_mode(monkeypatch):
-    monkeypatch.delenv(dash.ENV_MODE, raising=False)
+pytestmark = [pytest.mark.filterwarnings("ignore:LiveDashboard was added with add_callback"),
+              pytest.mark.usefixtures("no_env_mode")]
 
 
 def test_importing_the_dashboard_imports_neither_torch_nor_transformers():
