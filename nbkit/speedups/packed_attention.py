@@ -48,6 +48,7 @@ from .ledger import PatchLedger, unwrap_model
 logger = logging.getLogger(__name__)
 
 ATTN_NAME = "nbkit"
+_FUSED_KERNELS = (KERNEL_FNS["varlen"], KERNEL_FNS["flash_attn"])  # CUDA fp16/bf16 only
 
 
 @dataclass
@@ -146,8 +147,7 @@ def nbkit_attention_forward(
     q = query.transpose(1, 2).reshape(bsz * seq, query.shape[1], query.shape[3])
     k = key.transpose(1, 2).reshape(bsz * seq, key.shape[1], key.shape[3])
     v = value.transpose(1, 2).reshape(bsz * seq, value.shape[1], value.shape[3])
-    fused = (KERNEL_FNS["varlen"], KERNEL_FNS["flash_attn"])
-    if run.kernel in fused and not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+    if run.kernel in _FUSED_KERNELS and not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
         kernel = KERNEL_FNS["sdpa_loop"]  # fp32 or CPU tensors: the fused kernels do not run them
     else:
         kernel = run.kernel
