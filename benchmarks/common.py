@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import random
+import re
 import shlex
 import statistics
 import subprocess
@@ -250,6 +251,24 @@ def git_commit() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def parse_path(spec: str) -> tuple[str, dict[str, Any]]:
+    """``fastsft[a=1;b=False]`` -> ("fastsft", {"a": 1, "b": False}): a path name and the switches it changes."""
+    m = re.fullmatch(r"([\w]+)(?:\[(.*)\])?", spec.strip())
+    if not m:
+        raise ValueError(f"bad path {spec!r}")
+    overrides: dict[str, Any] = {}
+    for item in filter(None, (m.group(2) or "").split(";")):
+        key, _, value = item.partition("=")
+        low = value.strip().lower()
+        overrides[key.strip()] = {"true": True, "false": False}.get(low, int(low) if low.isdigit() else value.strip())
+    return m.group(1), overrides
+
+
+def split_paths(paths: str) -> list[str]:
+    """``"sft,fastsft[a=1;b=2]"`` -> ``["sft", "fastsft[a=1;b=2]"]`` (commas inside brackets do not split)."""
+    return [p for p in re.split(r",(?![^\[]*\])", paths) if p]
 
 
 def write_results(benchmark: str, figures: Sequence[dict] | Mapping[str, Any], notes: str = "", *,

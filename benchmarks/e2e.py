@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import gc
 import os
-import re
 import sys
 import tempfile
 import time
@@ -43,7 +42,9 @@ from .common import (
     failed_row,
     markdown_table,
     packed_token_dataset,
+    parse_path,
     peak_memory,
+    split_paths,
     summarize,
     timed_trainer,
     write_results,
@@ -116,19 +117,6 @@ def _restore_base(trainer: Any) -> torch.nn.Module:
 
 
 # ------------------------------------------------------------------------------------------------------- the paths
-def parse_path(spec: str) -> tuple[str, dict[str, Any]]:
-    """``fastsft[a=1;b=False]`` -> ("fastsft", {"a": 1, "b": False})."""
-    m = re.fullmatch(r"([\w]+)(?:\[(.*)\])?", spec.strip())
-    if not m:
-        raise ValueError(f"bad path {spec!r}")
-    overrides: dict[str, Any] = {}
-    for item in filter(None, (m.group(2) or "").split(";")):
-        key, _, value = item.partition("=")
-        low = value.strip().lower()
-        overrides[key.strip()] = {"true": True, "false": False}.get(low, int(low) if low.isdigit() else value.strip())
-    return m.group(1), overrides
-
-
 def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Namespace,
              profile: bool) -> tuple[dict, torch.nn.Module, str]:
     """One path's timed run on ``base`` (its own LoRA, unloaded afterwards): its row, the base back, its profile."""
@@ -208,7 +196,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     base, load_s = load_base(folder, quantize)
     weights = "nf4" if quantize else "bf16" if torch.cuda.is_available() else "fp32"
     print(f"model {shape}: saved in {save_s:.1f} s, loaded ({weights}) in {load_s:.1f} s", flush=True)
-    paths = [p for p in re.split(r",(?![^\[]*\])", args.paths) if p]
+    paths = split_paths(args.paths)
     if args.profile and args.profile not in paths:
         paths.append(args.profile)
     rows: list[dict] = []
