@@ -15,7 +15,8 @@ Workloads (tasks that learn):
   batch 2, lr 1e-4. Held out: every 10th topic, next-token loss and top-1 accuracy.
 
 Paths, each in its own process, from the same saved base, LoRA initialisation and data:
-- ``trl``: TRL ``SFTTrainer`` with sdpa attention (eager for gemma2, whose soft-capping sdpa lacks): the reference;
+- ``trl``: TRL ``SFTTrainer`` with sdpa attention (eager for gemma2 and gpt-oss, which have no sdpa path): the
+  reference;
 - ``trl_eager``: the same with eager attention. Floor 1: another correct attention, the same data in the same order;
 - ``trl_order``: the reference with another data order (``data_seed`` + 1). Floor 2: what a different shuffle moves;
 - ``fastsft``: FastSFT with its defaults; ``fastsft[switch=value;...]`` with switches changed (to find a cause).
@@ -63,6 +64,7 @@ EMA_BETA = 0.9
 FINAL_WINDOW = 20
 TEXT_CHARS = 1500
 TEXT_HELD_OUT_EVERY = 10
+EAGER_ONLY = ("gemma2", "gpt_oss")  # no sdpa path in transformers (gemma2: none with soft-capping)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -98,13 +100,13 @@ def curve_gap(losses: list[float], reference: list[float], beta: float = EMA_BET
 
 
 def verdict(rows: list[dict]) -> list[dict]:
-    """Per workload (family, task, precision): each FastSFT path's largest gap against the floors'."""
+    """Per workload (task, family, precision, seed): each FastSFT path's largest gap against the floors'."""
     out = []
     groups: dict[tuple, dict[str, dict]] = {}
     for row in rows:
         if "gap" in row:
-            groups.setdefault((row["family"], row["task"], row["precision"]), {})[row["path"]] = row
-    for (family, task, precision), paths in groups.items():
+            groups.setdefault(_workload(row), {})[row["path"]] = row
+    for (task, family, precision, seed), paths in groups.items():
         floors = {name: paths[name]["gap"]["max_abs_gap"] for name in ("trl_eager", "trl_order") if name in paths}
         floor_name = "trl_eager" if "trl_eager" in floors else "trl_order" if floors else None
         for name, row in paths.items():
@@ -112,7 +114,8 @@ def verdict(rows: list[dict]) -> list[dict]:
                 continue
             gap = row["gap"]["max_abs_gap"]
             floor = floors.get(floor_name) if floor_name else None
-            out.append({"family": family, "task": task, "precision": precision, "path": name, "max_abs_gap": gap,
+            out.append({"family": family, "task": task, "precision": precision, "seed": seed, "path": name,
+                        "max_abs_gap": gap,
                         "floor_path": floor_name, "floor": floor, **{f"floor_{k}": v for k, v in floors.items()},
                         "within_floor": None if floor is None else gap <= floor})
     return out
@@ -207,7 +210,7 @@ def train_run(run: dict[str, Any]) -> dict[str, Any]:
     else:
         from trl import SFTConfig as config_cls
         from trl import SFTTrainer as trainer_cls
-    attn = "eager" if name == "trl_eager" or family == "gemma2" else "sdpa"
+    attn = "eager" if name == "trl_eager" or family in EAGER_ONLY else "sdpa"
     fp16, on_cpu = precision == "fp16", precision == "fp32"
     t4 = mock.patch("nbkit.loading.pick_compute_dtype", lambda device=None: torch.float16) if fp16 else None
     set_seed(seed)  # LoRA's initialisation draws from the global RNG: the same for every path
@@ -250,7 +253,8 @@ def train_run(run: dict[str, Any]) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     logs = trainer.state.log_history
     row: dict[str, Any] = {
-        "task": task, "family": family, "precision": precision, "path": run["path"], "attn_implementation": attn,
+        "task": task, "family": family, "precision": precision, "seed": seed, "path": run["path"],
+        "attn_implementation": attn,
         "steps": int(trainer.state.global_step), "train_seconds": round(seconds, 2),
         "losses": [h["loss"] for h in logs if "loss" in h],
         "grad_norms": [h.get("grad_norm") for h in logs if "loss" in h],
@@ -280,8 +284,11 @@ def _worker(spec_path: str) -> None:
     try:
         row = train_run(run)
     except Exception as exc:  # a failed path is a row that says why, not a lost benchmark
-        row = {k: run[k] for k in ("task", "family", "precision", "path")} | {"error": f"{type(exc).__name__}: {exc}"}
+        row = {k: run[k] for k in _KEYS} | {"error": f"{type(exc).__name__}: {exc}"}
     Path(run["result"]).write_text(json.dumps(row))
+
+
+_KEYS = ("task", "family", "precision", "seed", "path")
 
 
 def _run_all(runs: list[dict], jobs: int, partial: Path | None = None) -> list[dict]:
@@ -306,7 +313,7 @@ def _run_all(runs: list[dict], jobs: int, partial: Path | None = None) -> list[d
                 rows.append(json.loads(result.read_text()))
             else:
                 tail = (Path(run["work"]) / f"{run['key']}.log").read_text()[-2000:]
-                rows.append({k: run[k] for k in ("task", "family", "precision", "path")}
+                rows.append({k: run[k] for k in _KEYS}
                             | {"error": f"exit {proc.returncode}: {tail}"})
             print(f"done {run['key']}: {rows[-1].get('error', 'ok')[:300]}", flush=True)
             if partial is not None:
@@ -315,10 +322,14 @@ def _run_all(runs: list[dict], jobs: int, partial: Path | None = None) -> list[d
     return rows
 
 
+def _workload(row: dict) -> tuple:
+    return row["task"], row["family"], row["precision"], row.get("seed", 0)
+
+
 def _add_gaps(rows: list[dict]) -> None:
-    refs = {(r["task"], r["family"], r["precision"]): r for r in rows if r["path"] == "trl" and "losses" in r}
+    refs = {_workload(r): r for r in rows if r["path"] == "trl" and "losses" in r}
     for row in rows:
-        ref = refs.get((row["task"], row["family"], row["precision"]))
+        ref = refs.get(_workload(row))
         if ref is not None and row is not ref and "losses" in row and len(row["losses"]) == len(ref["losses"]):
             row["gap"] = curve_gap(row["losses"], ref["losses"])
 
@@ -336,7 +347,8 @@ def table(rows: list[dict]) -> str:
         held = f"acc {r['eval_accuracy']:.1%}, loss {r['eval_loss']:.4f}"
         gap = (f"{g['max_abs_gap']:.4f} ({g['max_abs_gap_step']}, {g['reference_smoothed_there']:.3f})",
                f"{g['max_rel_gap']:.1%}", f"{g['mean_abs_gap']:.4f}") if g else ("-", "-", "-")
-        lines.append(f"| {r['family']} ({r['task']}) | {r['precision']} | {r['path']} | {final:.4f} | {held} | "
+        seed = f", seed {r['seed']}" if r.get("seed") else ""
+        lines.append(f"| {r['family']} ({r['task']}{seed}) | {r['precision']} | {r['path']} | {final:.4f} | {held} | "
                      f"{gap[0]} | {gap[1]} | {gap[2]} | {len(r['skipped_steps'])} |")
     return "\n".join(lines)
 
@@ -357,11 +369,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each its own process)")
     parser.add_argument("--name", default=None, help="results file name under $OUT (default: curves)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: qwen3, trl and fastsft, 6 steps")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="FILE",
+                        help="no runs: gaps and verdicts over the rows of earlier results / .partial.jsonl files "
+                        "(an interrupted benchmark finished in parts)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args.worker)
         return {}
+    if args.merge:
+        return _finish(_load_rows(args.merge), split_paths(args.paths), f"merged from {len(args.merge)} files", args)
     if args.tiny:
         args.families, args.paths, args.steps = "qwen3", "trl,fastsft", 6
     families = [] if args.families == "none" else list(FAMILIES) if args.families == "all" else args.families.split(",")
@@ -388,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs = []
     for task, family, folder in bases:
         for path in paths:
-            if path == "trl_eager" and family == "gemma2":
+            if path == "trl_eager" and family in EAGER_ONLY:
                 continue  # its reference is eager already: floor 2 only
             key = f"{family}-{args.precision}-{len(runs)}"
             runs.append({"task": task, "family": family, "precision": args.precision, "path": path,
@@ -397,20 +414,38 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     out = os.environ.get("OUT")
     rows = _run_all(runs, max(1, args.jobs), Path(out) / f"{args.name or 'curves'}.partial.jsonl" if out else None)
+    how = f"{len(runs)} runs, {args.jobs} at a time, {time.perf_counter() - start:.0f} s in all"
+    if args.tiny:
+        how = "CPU smoke run (--tiny): 6 steps, figures mean nothing; " + how
+    return _finish(rows, paths, how, args, argv)
+
+
+def _load_rows(files: list[str]) -> list[dict]:
+    """The run rows of earlier results files and of .partial.jsonl files (their gaps are recomputed)."""
+    rows: list[dict] = []
+    for name in files:
+        text = Path(name).read_text()
+        if name.endswith(".jsonl"):
+            rows += [json.loads(line) for line in text.splitlines() if line.strip()]
+        else:
+            rows += [{k: v for k, v in r.items() if k not in ("kind", "gap")}
+                     for r in json.loads(text)["figures"] if r.get("kind") == "run"]
+    return rows
+
+
+def _finish(rows: list[dict], paths: list[str], how: str, args: argparse.Namespace,
+            argv: list[str] | None = None) -> dict:
     order = {p: i for i, p in enumerate(paths)}
-    rows.sort(key=lambda r: (r["task"], r["family"], order.get(r["path"], len(order))))
+    rows.sort(key=lambda r: (*_workload(r), order.get(r["path"], len(order)), r["path"]))
     _add_gaps(rows)
     verdicts = verdict(rows)
-    notes = (f"{len(runs)} runs, {args.jobs} at a time, {time.perf_counter() - start:.0f} s in all; curves smoothed "
-             f"by a bias-corrected EMA({EMA_BETA}); final loss = mean of the last {FINAL_WINDOW} logged")
-    if args.tiny:
-        notes = "CPU smoke run (--tiny): 6 steps, figures mean nothing; " + notes
-    payload = write_results("curves", [{"kind": "run", **r} for r in rows] + [{"kind": "verdict", **v} for v in verdicts],
-                            notes,
-                            argv=argv, name=args.name)
+    notes = (f"{how}; curves smoothed by a bias-corrected EMA({EMA_BETA}); final loss = mean of the last "
+             f"{FINAL_WINDOW} logged")
+    figures = [{"kind": "run", **r} for r in rows] + [{"kind": "verdict", **v} for v in verdicts]
+    payload = write_results("curves", figures, notes, argv=argv, name=args.name)
     print(table(rows))
     for v in verdicts:
-        print(f"verdict {v['family']} {v['precision']} {v['path']}: gap {v['max_abs_gap']:.4f} vs floor "
+        print(f"verdict {v['family']} {v['precision']} seed {v['seed']} {v['path']}: gap {v['max_abs_gap']:.4f} vs floor "
               f"{v['floor_path']} {v['floor'] if v['floor'] is None else round(v['floor'], 4)} -> "
               f"{'within' if v['within_floor'] else 'ABOVE' if v['within_floor'] is False else 'no floor'}")
     return payload
