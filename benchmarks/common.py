@@ -272,7 +272,8 @@ def split_paths(paths: str) -> list[str]:
 
 
 def write_results(benchmark: str, figures: Sequence[dict] | Mapping[str, Any], notes: str = "", *,
-                  argv: Sequence[str] | None = None, name: str | None = None) -> dict:
+                  argv: Sequence[str] | None = None, name: str | None = None,
+                  environment_of: Mapping[str, Any] | None = None) -> dict:
     """The one results writer: every benchmark's JSON has the same top-level shape (``benchmarks/README.md``)::
 
         {"benchmark", "date", "command", "git_commit", "environment", "figures", "notes"}
@@ -281,7 +282,9 @@ def write_results(benchmark: str, figures: Sequence[dict] | Mapping[str, Any], n
     ``argv``, default ``sys.argv[1:]``); ``figures`` the measured rows, one dict per path / config / try. A mapping
     with ``"rows"`` is taken as rows plus run-level values, which are copied into every row (its "env", "args" and
     rendered "table" are dropped: the environment and the command line are recorded here, a table is derived).
-    Writes ``$OUT/<name or benchmark>.json`` when $OUT is set; returns the payload either way.
+    Writes ``$OUT/<name or benchmark>.json`` when $OUT is set; returns the payload either way. ``environment_of``:
+    an earlier results payload whose machine, versions and commit these figures come from (figures merged on
+    another machine from runs made there).
     """
     if isinstance(figures, Mapping):
         run_level = {k: v for k, v in figures.items() if k not in ("rows", "env", "args", "table")}
@@ -291,8 +294,8 @@ def write_results(benchmark: str, figures: Sequence[dict] | Mapping[str, Any], n
         "benchmark": benchmark,
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "command": " ".join(["python", "-m", f"benchmarks.{benchmark}", *map(shlex.quote, argv)]),
-        "git_commit": git_commit(),
-        "environment": environment(),
+        "git_commit": environment_of["git_commit"] if environment_of else git_commit(),
+        "environment": dict(environment_of["environment"]) if environment_of else environment(),
         "figures": list(figures),
         "notes": notes,
     }

@@ -57,7 +57,7 @@ from unittest import mock
 
 import torch
 
-from .common import parse_path, split_paths, write_results
+from .common import git_commit, parse_path, split_paths, write_results
 
 DEFAULT_PATHS = "trl,trl_eager,trl_order,fastsft"
 EMA_BETA = 0.9
@@ -259,6 +259,7 @@ def train_run(run: dict[str, Any]) -> dict[str, Any]:
         "losses": [h["loss"] for h in logs if "loss" in h],
         "grad_norms": [h.get("grad_norm") for h in logs if "loss" in h],
         "skipped_steps": skipped.steps, "nbkit_attached": list(getattr(trainer, "nbkit_attached", [])),
+        "git_commit": git_commit(),
         "nonfinite_losses": sum(1 for h in logs if "loss" in h and not math.isfinite(h["loss"])),
     }
     if task == "demo":
@@ -370,15 +371,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--name", default=None, help="results file name under $OUT (default: curves)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: qwen3, trl and fastsft, 6 steps")
     parser.add_argument("--merge", nargs="+", default=None, metavar="FILE",
-                        help="no runs: gaps and verdicts over the rows of earlier results / .partial.jsonl files "
-                        "(an interrupted benchmark finished in parts)")
+                        help="no runs: gaps and verdicts over the --precision rows of earlier results / "
+                        ".partial.jsonl files (an interrupted benchmark finished in parts)")
+    parser.add_argument("--note", default="", help="a sentence added to the results' notes")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args.worker)
         return {}
     if args.merge:
-        return _finish(_load_rows(args.merge), split_paths(args.paths), f"merged from {len(args.merge)} files", args)
+        rows, source = _load_rows(args.merge)
+        rows = [r for r in rows if r["precision"] == args.precision]
+        how = f"merged from {len(args.merge)} files" + (f" (machine and commit: {source['command']})" if source else "")
+        return _finish(rows, split_paths(args.paths), how, args, argv, source)
     if args.tiny:
         args.families, args.paths, args.steps = "qwen3", "trl,fastsft", 6
     families = [] if args.families == "none" else list(FAMILIES) if args.families == "all" else args.families.split(",")
@@ -420,21 +425,25 @@ def main(argv: list[str] | None = None) -> dict:
     return _finish(rows, paths, how, args, argv)
 
 
-def _load_rows(files: list[str]) -> list[dict]:
-    """The run rows of earlier results files and of .partial.jsonl files (their gaps are recomputed)."""
+def _load_rows(files: list[str]) -> tuple[list[dict], dict | None]:
+    """The run rows of earlier results files and of .partial.jsonl files (their gaps are recomputed), and the first
+    results file's payload (its machine, versions and commit describe the merged figures)."""
     rows: list[dict] = []
+    first = None
     for name in files:
         text = Path(name).read_text()
         if name.endswith(".jsonl"):
             rows += [json.loads(line) for line in text.splitlines() if line.strip()]
         else:
+            payload = json.loads(text)
+            first = first or payload
             rows += [{k: v for k, v in r.items() if k not in ("kind", "gap")}
-                     for r in json.loads(text)["figures"] if r.get("kind") == "run"]
-    return rows
+                     for r in payload["figures"] if r.get("kind") == "run"]
+    return rows, first
 
 
 def _finish(rows: list[dict], paths: list[str], how: str, args: argparse.Namespace,
-            argv: list[str] | None = None) -> dict:
+            argv: list[str] | None = None, source: dict | None = None) -> dict:
     order = {p: i for i, p in enumerate(paths)}
     rows.sort(key=lambda r: (*_workload(r), order.get(r["path"], len(order)), r["path"]))
     _add_gaps(rows)
@@ -442,7 +451,9 @@ def _finish(rows: list[dict], paths: list[str], how: str, args: argparse.Namespa
     notes = (f"{how}; curves smoothed by a bias-corrected EMA({EMA_BETA}); final loss = mean of the last "
              f"{FINAL_WINDOW} logged")
     figures = [{"kind": "run", **r} for r in rows] + [{"kind": "verdict", **v} for v in verdicts]
-    payload = write_results("curves", figures, notes, argv=argv, name=args.name)
+    if args.note:
+        notes = f"{notes}. {args.note}"
+    payload = write_results("curves", figures, notes, argv=argv, name=args.name, environment_of=source)
     print(table(rows))
     for v in verdicts:
         print(f"verdict {v['family']} {v['precision']} seed {v['seed']} {v['path']}: gap {v['max_abs_gap']:.4f} vs floor "
