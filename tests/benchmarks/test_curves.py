@@ -49,6 +49,24 @@ def test_verdict_uses_the_attention_floor_and_falls_back_to_the_order_floor():
     assert got[("qwen3", "fastsft[fused_kernels=False]")]["within_floor"] is False
     assert got[("gemma2", "fastsft")]["floor_path"] == "trl_order" and got[("gemma2", "fastsft")]["within_floor"]
     assert verdict([row("llama", "fastsft", 0.1)])[0]["within_floor"] is None  # no floor measured: no verdict
+    assert not [v for v in verdict(rows) if v["seed"] == "pooled"]  # one seed: nothing to pool
+
+
+def test_pooled_verdict_compares_median_gaps_over_seeds():
+    def row(seed, path, gap):
+        return {"family": "gemma3", "task": "demo", "precision": "bf16", "seed": seed, "path": path,
+                "gap": {"max_abs_gap": gap}}
+
+    # seed 0 alone would call FastSFT above its floor; over three seeds it is not
+    noisy = [row(0, "trl_eager", 0.2), row(0, "fastsft", 0.5), row(1, "trl_eager", 1.2), row(1, "fastsft", 0.9),
+             row(2, "trl_eager", 0.7), row(2, "fastsft", 0.6)]
+    (pooled,) = [v for v in verdict(noisy) if v["seed"] == "pooled"]
+    assert pooled["within_floor"] and pooled["above_floor_at"] == 1 and pooled["max_abs_gap"] == 0.6
+    # a systematic difference: above the floor at every seed
+    biased = [row(s, "trl_eager", f) for s, f in enumerate((0.2, 0.3, 0.25))] + \
+        [row(s, "fastsft", f + 0.3) for s, f in enumerate((0.2, 0.3, 0.25))]
+    (pooled,) = [v for v in verdict(biased) if v["seed"] == "pooled"]
+    assert not pooled["within_floor"] and pooled["above_floor_at"] == 3
 
 
 def test_real_text_split_holds_out_whole_topics_in_bounded_documents():
