@@ -96,6 +96,15 @@ class FastSFTConfig(SFTConfig):
             "Qwen3-MoE, Mixtral, Gemma 1-3). 'auto': on when liger-kernel is installed and the model is on CUDA."
         },
     )
+    tiled_mlp: Union[bool, int] = field(
+        default=False,
+        metadata={
+            "help": "Run each decoder layer's dense MLP over tiles of the sequence, recomputed per tile in backward, "
+            "so its (tokens x intermediate) activations exist for one tile at a time: for rows too long to fit "
+            "otherwise. True: tiles of hidden_size tokens; an int: tiles of that many tokens. Costs one more MLP "
+            "forward per layer; rows no longer than a tile run the plain MLP. MoE blocks are not tiled."
+        },
+    )
     live_dashboard: AutoBool = field(
         default="auto",
         metadata={"help": "Attach nbkit.LiveDashboard: 'auto' inside a notebook, True always, False never."},

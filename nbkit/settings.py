@@ -27,11 +27,13 @@ from typing import Any, Optional
 from .ops.varlen_attention import KERNELS
 
 AUTO_BOOL = (True, False, "auto")
+POSITIVE_INT = "a positive int"  # in a switch's values: any int >= 1 (not a bool) is allowed too
 SWITCH_VALUES: dict[str, tuple[Any, ...]] = {
     "attention_kernel": ("auto", *KERNELS),
     "offload_checkpointing": AUTO_BOOL,
     "fused_kernels": AUTO_BOOL,
     "live_dashboard": AUTO_BOOL,
+    "tiled_mlp": (True, False, POSITIVE_INT),
     "on_nonfinite_loss": ("stop", "skip", "off"),
 }
 _BFD = ("bfd", "bfd_split", "bfd-requeue")  # TRL's packing strategies that pack padding-free
@@ -44,8 +46,12 @@ class SettingError(ValueError):
 def value_problem(name: str, value: Any) -> Optional[str]:
     """Why ``value`` is not allowed for switch ``name``, or None."""
     allowed = SWITCH_VALUES[name]
-    if any(value is a or (isinstance(a, str) and value == a) for a in allowed):
+    if POSITIVE_INT in allowed and isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return None
+    if any(value is a or (isinstance(a, str) and a != POSITIVE_INT and value == a) for a in allowed):
+        return None
+    if POSITIVE_INT in allowed:
+        return f"{name}={value!r}: use True, False or a positive number of tokens"
     if allowed == AUTO_BOOL:
         return f"{name}={value!r}: use True, False or 'auto'"
     return f"{name}={value!r}: choose one of {', '.join(repr(a) for a in allowed)}"

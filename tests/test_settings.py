@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nbkit import FastSFTConfig, settings
-from nbkit.settings import SWITCH_VALUES, SettingError, combination_problem, mixed_precision, value_problem
+from nbkit.settings import POSITIVE_INT, SWITCH_VALUES, SettingError, combination_problem, mixed_precision, value_problem
 
 no_accelerator = pytest.mark.skipif(torch.cuda.is_available() or (
     hasattr(torch, "accelerator") and torch.accelerator.is_available()), reason="checks the CPU-only defaults")
@@ -23,7 +23,7 @@ no_accelerator = pytest.mark.skipif(torch.cuda.is_available() or (
 
 
 _BAD = {"attention_kernel": "fast", "offload_checkpointing": "yes", "fused_kernels": 1, "live_dashboard": "on",
-        "on_nonfinite_loss": "ignore"}
+        "on_nonfinite_loss": "ignore", "tiled_mlp": 0}
 
 
 @pytest.mark.parametrize("name", sorted(SWITCH_VALUES))
@@ -34,6 +34,7 @@ def test_every_switch_value_is_checked_by_the_one_rule(tmp_path, name):
     assert str(caught.value).startswith(f"{name}={_BAD[name]!r}: ")
     assert isinstance(caught.value, ValueError)
     for good in SWITCH_VALUES[name]:
+        good = 4096 if good == POSITIVE_INT else good  # the marker stands for any positive int
         assert getattr(FastSFTConfig(output_dir=str(tmp_path), bf16=False, **{name: good}), name) == good
 
 

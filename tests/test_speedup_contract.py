@@ -22,6 +22,7 @@ from nbkit.speedups.fused_lora import FusedLoRA
 from nbkit.speedups.moe import FastMoERouting
 from nbkit.speedups.offload import OffloadedCheckpointing
 from nbkit.speedups.packed_attention import PackedAttention
+from nbkit.speedups.tiled_mlp import TiledMLP
 
 VOCAB = 97
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
@@ -67,6 +68,7 @@ CASES: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[], Any]]] = {
     "fused_lora": (lambda: _lora(tiny_model("llama", VOCAB)), FusedLoRA),
     "fused_kernels": (lambda: tiny_model("gemma3", VOCAB), lambda: FusedKernels(ops=_torch_ops())),
     "offload_checkpointing": (lambda: _gc(tiny_model("qwen3", VOCAB)), lambda: OffloadedCheckpointing(mode=True)),
+    "tiled_mlp": (lambda: _lora(tiny_model("llama", VOCAB)), lambda: TiledMLP(tile_tokens=8)),
 }
 
 

@@ -65,6 +65,15 @@ def _kernels(args: Any, packed_batches: bool) -> Optional[Speedup]:
     return FusedKernels()
 
 
+def _tiled(args: Any, packed_batches: bool) -> Optional[Speedup]:
+    mode = switch(args, "tiled_mlp")
+    if mode is False:
+        return None
+    from .tiled_mlp import TiledMLP
+
+    return TiledMLP(tile_tokens=None if mode is True else int(mode))
+
+
 def _offload(args: Any, packed_batches: bool) -> Optional[Speedup]:
     mode = switch(args, "offload_checkpointing")
     if mode is False or not getattr(args, "gradient_checkpointing", False):
@@ -80,6 +89,7 @@ SPEEDUPS: tuple[SpeedupSpec, ...] = (
     SpeedupSpec("fast_moe_routing", "model", _moe),
     SpeedupSpec("fused_lora", "model", _lora),
     SpeedupSpec("fused_kernels", "model", _kernels),
+    SpeedupSpec("tiled_mlp", "model", _tiled),  # after fused_kernels: it wraps the MLP forward found
     SpeedupSpec("offload_checkpointing", "train", _offload),
 )
 

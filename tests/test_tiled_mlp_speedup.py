@@ -1,0 +1,80 @@
+"""``tiled_mlp``: FastSFT with the MLPs tiled trains exactly as without (CPU, fp32).
+
+Compared: the logged losses and the LoRA weights after 2 SGD steps (LoRA B starts at 0, so after the steps it is the
+gradients), with and without gradient checkpointing, tiles of 8 tokens on 96-token packed rows (so every MLP call is
+tiled, the last tile short). Tolerance 1e-5 relative: the same products, summed over tiles in another order. The
+tiled path must have run (its autograd function is counted), or the comparison would prove nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from nbkit import FastSFT, FastSFTConfig
+from nbkit.demo.data import make_dataset
+from nbkit.demo.models import tiny_model
+from nbkit.demo.tokenizer import load_demo_tokenizer
+from nbkit.ops import tiled_mlp as tiled_op
+from nbkit.settings import SettingError
+
+
+def _train(tmp_path, family: str, tiled, checkpointing: bool):
+    tok = load_demo_tokenizer()
+    model = tiny_model(family, len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
+    args = FastSFTConfig(
+        output_dir=str(tmp_path / f"{family}-{tiled}-{checkpointing}"), max_steps=2, per_device_train_batch_size=2,
+        learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0,
+        packing=True, max_length=96, shuffle_dataset=False, dataloader_num_workers=0, disable_tqdm=True,
+        live_dashboard=False, gradient_checkpointing=checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False}, optim="sgd", tiled_mlp=tiled,
+    )
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    torch.manual_seed(0)
+    trainer = FastSFT(model=model, args=args, train_dataset=make_dataset("messages", n=96), processing_class=tok,
+                      peft_config=lora)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return losses, weights, trainer
+
+
+@pytest.mark.parametrize("family, checkpointing", [("llama", True), ("llama", False), ("gemma3", True)])
+def test_tiled_mlp_trains_as_the_plain_mlp(tmp_path, one_thread, monkeypatch, family, checkpointing):
+    calls = []
+    apply = tiled_op._TiledMLP.apply
+
+    def counted(*a):
+        calls.append(a[1].shape)
+        return apply(*a)
+
+    monkeypatch.setattr(tiled_op._TiledMLP, "apply", counted)
+    losses_plain, weights_plain, _ = _train(tmp_path, family, False, checkpointing)
+    assert not calls
+    losses_tiled, weights_tiled, trainer = _train(tmp_path, family, 8, checkpointing)
+    assert calls and all(shape[-2] > 8 for shape in calls), calls
+    assert "tiled_mlp" in trainer.nbkit_attached
+    assert losses_tiled == pytest.approx(losses_plain, rel=1e-5) and len(losses_plain) == 2
+    moved = [n for n, w in weights_plain.items() if "mlp" in n and "lora_B" in n and w.abs().max() > 0]
+    assert moved, "the MLP adapters did not train"
+    for name, w in weights_plain.items():
+        err = float((weights_tiled[name] - w).abs().max() / w.abs().max().clamp_min(1e-12))
+        assert err <= 1e-5, (name, err)
+
+
+def test_moe_blocks_are_left_alone():
+    from nbkit.speedups.tiled_mlp import TiledMLP
+
+    model = tiny_model("qwen3_moe", 97)
+    speedup = TiledMLP(tile_tokens=8)
+    assert not speedup.attach(model)  # every layer's MLP is a sparse MoE block
+    speedup.detach()
+
+
+def test_the_switch_takes_true_false_or_a_tile_length():
+    for value in (True, False, 4096):
+        assert FastSFTConfig(output_dir="x", tiled_mlp=value, report_to=[]).tiled_mlp == value
+    for value in (0, "auto", 2.5):
+        with pytest.raises(SettingError, match="tiled_mlp"):
+            FastSFTConfig(output_dir="x", tiled_mlp=value, report_to=[])
