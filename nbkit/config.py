@@ -105,6 +105,15 @@ class FastSFTConfig(SFTConfig):
             "forward per layer; rows no longer than a tile run the plain MLP. MoE blocks are not tiled."
         },
     )
+    sync_free_metrics: bool = field(
+        default=True,
+        metadata={
+            "help": "Keep TRL's per-step metrics (entropy, token accuracy, token count, MoE aux loss) on the GPU and "
+            "read them when logging, instead of reading them on the host right after every forward, which stalls "
+            "the queue before the backward. Same loss and logged values; TRL's own compute_loss where it does "
+            "something else (compute_loss_func, label smoothing, sequence parallelism, several processes)."
+        },
+    )
     live_dashboard: AutoBool = field(
         default="auto",
         metadata={"help": "Attach nbkit.LiveDashboard: 'auto' inside a notebook, True always, False never."},
