@@ -106,12 +106,13 @@ class FastSFTConfig(SFTConfig):
         },
     )
     sync_free_metrics: bool = field(
-        default=True,
+        default=False,
         metadata={
             "help": "Keep TRL's per-step metrics (entropy, token accuracy, token count, MoE aux loss) on the GPU and "
             "read them when logging, instead of reading them on the host right after every forward, which stalls "
             "the queue before the backward. Same loss and logged values; TRL's own compute_loss where it does "
-            "something else (compute_loss_func, label smoothing, sequence parallelism, several processes)."
+            "something else (compute_loss_func, label smoothing, sequence parallelism, several processes). Off until its "
+            "effect on step time is measured."
         },
     )
     live_dashboard: AutoBool = field(
