@@ -11,6 +11,7 @@ import json
 import pytest
 
 from benchmarks import long_context as lc
+from benchmarks import long_context_search as lcs
 from nbkit.memory import GiB, MiB
 
 FIXED_GIB, MIB_PER_TOKEN = 6.5, 0.58  # the 8B sft prior
@@ -37,7 +38,7 @@ def search(run_one, cap, prior, res, tries=None, **kw):
     kw.setdefault("deadline", float("inf"))
     kw.setdefault("clock", lambda: 0.0)
     kw.setdefault("eta", lambda t: None)
-    stop = lc.run_search(run_one, tries, "12 GiB", cap, prior=prior, res=res, **kw)
+    stop = lcs.run_search(run_one, tries, "12 GiB", cap, prior=prior, res=res, **kw)
     return stop, tries
 
 
@@ -46,45 +47,45 @@ def limit_of(cap: float, mib: float = MIB_PER_TOKEN) -> int:
 
 
 def check_bracket(tries: list[dict], limit: int, res: int) -> tuple[int, int]:
-    lo, hi = lc.bracket(tries)
+    lo, hi = lcs.bracket(tries)
     assert lo <= limit < hi and hi - lo <= res, (lo, hi, limit, [(t["tokens"], t["outcome"]) for t in tries])
     return lo, hi
 
 
 def test_resolution_is_a_sixteenth_of_the_limit_in_powers_of_two():
-    assert lc.resolution(9_500, 1024) == 1024  # 593 rounds down to 512: the floor wins
-    assert lc.resolution(300_000, 1024) == 16384  # 18,750 -> 16,384
-    assert lc.resolution(128, 32) == 32 and lc.resolution(0, 32) == 32
+    assert lcs.resolution(9_500, 1024) == 1024  # 593 rounds down to 512: the floor wins
+    assert lcs.resolution(300_000, 1024) == 16384  # 18,750 -> 16,384
+    assert lcs.resolution(128, 32) == 32 and lcs.resolution(0, 32) == 32
 
 
 def test_the_warm_row_decides_offloading_as_the_long_row_does():
     # 8B: 'auto' offload needs one layer input of 16 MiB = 2,048 tokens x 4096 x 2 B, decided at the first step
     auto = -(-lc.OFFLOAD_MIN_BYTES // (4096 * 2))
     assert auto == 2048
-    assert lc.warm_length(32768, 256, auto) == 2048  # long enough to switch offloading on, as the long row does
-    assert lc.warm_length(1500, 256, auto) == 1500  # never longer than the long row
-    assert lc.warm_length(128, 256, 0) == 64 and lc.warm_length(4096, 256, 0) == 256  # off CUDA: no decision
+    assert lcs.warm_length(32768, 256, auto) == 2048  # long enough to switch offloading on, as the long row does
+    assert lcs.warm_length(1500, 256, auto) == 1500  # never longer than the long row
+    assert lcs.warm_length(128, 256, 0) == 64 and lcs.warm_length(4096, 256, 0) == 256  # off CUDA: no decision
 
 
 def test_priors_follow_the_switches():
-    assert lc.prior_key("sft") == "sft" and lc.prior_key("sft_full_logits") == "sft_full_logits"
-    assert lc.prior_key("fastsft") == "fastsft"
-    assert lc.prior_key("fastsft[tiled_mlp=True]") == "fastsft_tiled"
-    assert lc.prior_key("fastsft[tiled_mlp=4096;offload_checkpointing=False]") == "fastsft_tiled_no_offload"
-    assert lc.prior_key("fastsft[tiled_mlp=False]") == "fastsft"
-    tokens, fixed, slope = lc.prior_line("8b", "sft")
+    assert lcs.prior_key("sft") == "sft" and lcs.prior_key("sft_full_logits") == "sft_full_logits"
+    assert lcs.prior_key("fastsft") == "fastsft"
+    assert lcs.prior_key("fastsft[tiled_mlp=True]") == "fastsft_tiled"
+    assert lcs.prior_key("fastsft[tiled_mlp=4096;offload_checkpointing=False]") == "fastsft_tiled_no_offload"
+    assert lcs.prior_key("fastsft[tiled_mlp=False]") == "fastsft"
+    tokens, fixed, slope = lcs.prior_line("8b", "sft")
     assert (tokens, fixed) == (0, 6.5) and slope == pytest.approx(0.58 / 1024)
-    assert lc.prior_line("tiny", "sft") is None
-    assert lc.offloaded("fastsft", cuda=True) and not lc.offloaded("fastsft[offload_checkpointing=False]", True)
-    assert not lc.offloaded("sft", cuda=True) and not lc.offloaded("fastsft", cuda=False)
+    assert lcs.prior_line("tiny", "sft") is None
+    assert lcs.offloaded("fastsft", cuda=True) and not lcs.offloaded("fastsft[offload_checkpointing=False]", True)
+    assert not lcs.offloaded("sft", cuda=True) and not lcs.offloaded("fastsft", cuda=False)
 
 
 def test_a_right_prior_brackets_the_limit_in_two_tries():
     cap = 12.0
     limit = limit_of(cap)
-    res = lc.resolution(limit, 1024)
+    res = lcs.resolution(limit, 1024)
     stop, tries = search(fake_runner("12 GiB", lambda t: t <= limit, peak), cap,
-                         lc.prior_line("8b", "sft"), res)
+                         lcs.prior_line("8b", "sft"), res)
     assert stop == "converged"
     check_bracket(tries, limit, res)
     # just past the predicted limit (fails), then just under it (fits)
@@ -94,9 +95,9 @@ def test_a_right_prior_brackets_the_limit_in_two_tries():
 def test_a_wrong_prior_is_corrected_by_the_measured_line():
     cap, true_mib = 24.0, 0.45  # the prior says 0.58 MiB/token: it predicts 30.9K where 39.8K fit
     limit = limit_of(cap, true_mib)
-    res = lc.resolution(30_000, 1024)
+    res = lcs.resolution(30_000, 1024)
     stop, tries = search(fake_runner("12 GiB", lambda t: t <= limit, lambda t: peak(t, true_mib)), cap,
-                         lc.prior_line("8b", "sft"), res)
+                         lcs.prior_line("8b", "sft"), res)
     assert stop == "converged" and len(tries) <= 5
     check_bracket(tries, limit, res)
 
@@ -106,9 +107,9 @@ def test_an_allocator_that_fails_before_the_line_still_brackets_its_limit():
     cap, quad = 40.0, 1e-11
     fits = lambda t: peak(t, quad=quad) <= 0.93 * cap
     limit = max(t for t in range(1, 80_000) if fits(t))
-    res = lc.resolution(limit, 1024)
+    res = lcs.resolution(limit, 1024)
     stop, tries = search(fake_runner("12 GiB", fits, lambda t: peak(t, quad=quad)), cap,
-                         lc.prior_line("8b", "sft"), res)
+                         lcs.prior_line("8b", "sft"), res)
     assert stop == "converged" and len(tries) <= 8
     check_bracket(tries, limit, res)
 
@@ -124,15 +125,15 @@ def test_without_a_prediction_it_doubles_then_bisects():
 
 def test_fits_at_other_budgets_narrow_the_bracket():
     # a fit at a smaller budget is a fit here; a failure at a larger one a failure here
-    t, stop = lc.next_length([], [], None, None, 1024, implied_lo=16_384, implied_hi=20_480)
+    t, stop = lcs.next_length([], [], None, None, 1024, implied_lo=16_384, implied_hi=20_480)
     assert 16_384 < t < 20_480 and stop == ""
-    t, stop = lc.next_length([], [], None, None, 1024, implied_lo=16_384, implied_hi=17_408)
+    t, stop = lcs.next_length([], [], None, None, 1024, implied_lo=16_384, implied_hi=17_408)
     assert t is None and stop == "converged"
     here = [dict(tokens=8192, outcome="oom"), dict(tokens=9216, outcome="ok")]
-    t, stop = lc.next_length(here, [], None, None, 1024)
+    t, stop = lcs.next_length(here, [], None, None, 1024)
     assert t is None and stop.startswith("not monotone")
     # a try cut at the time budget is no failure: the length is still open
-    assert lc.bracket([dict(tokens=8192, outcome="ok"), dict(tokens=16384, outcome="time-cap")]) == (8192, None)
+    assert lcs.bracket([dict(tokens=8192, outcome="ok"), dict(tokens=16384, outcome="time-cap")]) == (8192, None)
 
 
 def test_max_tokens_is_tried_and_then_stops_the_search():
@@ -151,9 +152,9 @@ def test_the_search_stops_at_its_time_budget():
 
     def eta(t: int):
         pts = earlier + [(x["tokens"], x["step_s"] - 2.0) for x in tries if x.get("step_s")]
-        return lc.eta_s(pts, t, 2.0)
+        return lcs.eta_s(pts, t, 2.0)
 
-    stop = lc.run_search(run_one, tries, "80 GiB", 80.0, prior=(0, FIXED_GIB, 1.0 * MiB / GiB), res=1024,
+    stop = lcs.run_search(run_one, tries, "80 GiB", 80.0, prior=(0, FIXED_GIB, 1.0 * MiB / GiB), res=1024,
                          deadline=200.0, clock=lambda: clock[0], eta=eta)
     assert stop.startswith("time budget (next try")
     assert len(tries) == 2 and clock[0] <= 200.0  # it ran what fitted, and no try ended past the budget
@@ -164,14 +165,14 @@ def test_the_search_stops_at_its_time_budget():
 def test_step_time_model():
     a, b = 1e-4, 3e-9
     pts = [(n, a * n + b * n * n) for n in (8192, 32768, 65536)]
-    fa, fb = lc.fit_step_time(pts)
+    fa, fb = lcs.fit_step_time(pts)
     assert fa == pytest.approx(a, rel=1e-6) and fb == pytest.approx(b, rel=1e-6)
-    fa, fb = lc.fit_step_time([(32768, 8.0)])  # one point: half linear, half quadratic there
+    fa, fb = lcs.fit_step_time([(32768, 8.0)])  # one point: half linear, half quadratic there
     assert fa * 32768 == pytest.approx(4.0) and fb * 32768**2 == pytest.approx(4.0)
-    assert lc.eta_s([(32768, 8.0)], 65536, overhead_s=5.0) == pytest.approx(5.0 + 8.0 + 16.0)
-    assert lc.eta_s([], 1000, 5.0) is None
+    assert lcs.eta_s([(32768, 8.0)], 65536, overhead_s=5.0) == pytest.approx(5.0 + 8.0 + 16.0)
+    assert lcs.eta_s([], 1000, 5.0) is None
     # a fit that would need a negative term falls back to the one-point rule at the longest point
-    fa, fb = lc.fit_step_time([(1000, 5.0), (2000, 5.0)])
+    fa, fb = lcs.fit_step_time([(1000, 5.0), (2000, 5.0)])
     assert fa >= 0 and fb >= 0 and fa * 2000 + fb * 2000**2 == pytest.approx(5.0)
 
 
@@ -179,10 +180,10 @@ def test_a_try_the_worker_died_under_is_recorded():
     start = dict(event="start", path="fastsft", budget="80 GiB", tokens=262144, kind="search", res=16384)
     done = dict(event="try", path="sft", budget="12 GiB", tokens=9216, kind="search", outcome="ok")
     records = [dict(start, path="sft", budget="12 GiB", tokens=9216), done, start]
-    assert lc.inflight(records) == start and lc.inflight(records[:2]) is None
-    assert lc.crash_record(start, -9, killed=False)["outcome"] == "host-oom"
-    assert lc.crash_record(start, 1, killed=False)["outcome"] == "error"
-    rec = lc.crash_record(start, -9, killed=True)
+    assert lcs.inflight(records) == start and lcs.inflight(records[:2]) is None
+    assert lcs.crash_record(start, -9, killed=False)["outcome"] == "host-oom"
+    assert lcs.crash_record(start, 1, killed=False)["outcome"] == "error"
+    rec = lcs.crash_record(start, -9, killed=True)
     assert rec["outcome"] == "time-cap" and rec["event"] == "try" and rec["tokens"] == 262144 and rec["crashed"]
 
 
