@@ -55,7 +55,8 @@ class FastSFTConfig(SFTConfig):
         metadata={
             "help": "Kernel for the 'nbkit' attention: 'auto' (best present), 'flash_attn', 'varlen' (torch's "
             "varlen flash kernel), 'flex' (flex attention, block mask built once per step), 'sdpa_loop' (one SDPA "
-            "call per document, the path for CPUs and older GPUs)."
+            "call per document, the path for CPUs and older GPUs), 'sdpa_masked' (one call per layer with a T x T "
+            "block-diagonal mask built once per step: fewer launches for many short documents, O(T^2) memory)."
         },
     )
     offload_checkpointing: AutoBool = field(

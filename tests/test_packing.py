@@ -23,7 +23,7 @@ from nbkit.speedups.packed_attention import (
     nbkit_attention_forward,
 )
 
-_flex_kernel, _sdpa_loop_kernel = KERNEL_FNS["flex"], KERNEL_FNS["sdpa_loop"]
+_flex_kernel, _sdpa_loop_kernel, _sdpa_masked_kernel = KERNEL_FNS["flex"], KERNEL_FNS["sdpa_loop"], KERNEL_FNS["sdpa_masked"]
 
 VOCAB = 97
 DENSE_FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"]
@@ -59,7 +59,7 @@ def _dense_reference(q, k, v, offsets, call: AttnCall):
     return out.transpose(0, 1).float()
 
 
-@pytest.mark.parametrize("kernel", [_sdpa_loop_kernel, _flex_kernel])
+@pytest.mark.parametrize("kernel", [_sdpa_loop_kernel, _sdpa_masked_kernel, _flex_kernel])
 @pytest.mark.parametrize(
     "window,softcap,sinks", [(None, None, False), (4, None, False), (None, 20.0, False), (3, None, True)]
 )
@@ -135,6 +135,33 @@ def test_packed_gpt_oss_equals_its_documents_run_one_by_one():
         out = model(input_ids=torch.cat(docs)[None], **meta).logits[0]
     speedup.detach()
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma2", "gpt_oss"])
+def test_one_masked_call_per_layer_equals_documents_run_one_by_one(family):
+    """``attention_kernel="sdpa_masked"``: the whole row in one call with the block-diagonal mask (windows,
+    soft-capping, sinks included) gives each document's own logits, and the mask is built once per forward."""
+    model = tiny_model(family, VOCAB, attn_implementation="eager")
+    docs = _docs([9, 20, 4, 17])
+    with torch.no_grad():
+        ref = torch.cat([model(input_ids=d[None], use_cache=False).logits[0] for d in docs])
+    speedup = PackedAttention(kernel="sdpa_masked")
+    assert speedup.attach(model) and speedup.kernel == "sdpa_masked"
+    built = []
+    dense_mask = PackedRun.dense_mask
+
+    def counted(self, window, device):
+        if window not in self._dense_masks:
+            built.append(window)
+        return dense_mask(self, window, device)
+
+    meta = metadata_from_lengths([len(d) for d in docs])
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        mp.setattr(PackedRun, "dense_mask", counted)
+        out = model(input_ids=torch.cat(docs)[None], **meta).logits[0]
+    speedup.detach()
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert len(built) == len(set(built)) >= 1, built  # once per window kind, not per layer
 
 
 def test_no_leakage_between_documents():

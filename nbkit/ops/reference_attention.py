@@ -23,11 +23,19 @@ class AttnCall:
     dropout: float
 
 
-def doc_attention(q, k, v, call: AttnCall, training: bool) -> torch.Tensor:
-    """Exact causal attention of one document; q/k/v are (H, n, D) with k/v already expanded to q's heads."""
+def doc_attention(q, k, v, call: AttnCall, training: bool, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact causal attention of one document; q/k/v are (H, n, D) with k/v already expanded to q's heads.
+
+    ``allowed``: an (n, n) boolean mask of the keys each query may see, for several documents of a packed row in one
+    call (block-diagonal, causal, the sliding window applied); None: causal within one document, window applied here.
+    """
     n = q.shape[1]
-    simple = call.softcap is None and call.sinks is None and (call.window is None or call.window >= n)
-    if simple:
+    plain = call.softcap is None and call.sinks is None
+    if plain and allowed is not None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, scale=call.scaling, dropout_p=call.dropout if training else 0.0
+        )
+    if plain and (call.window is None or call.window >= n):
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=call.scaling, dropout_p=call.dropout if training else 0.0
         )
@@ -35,10 +43,11 @@ def doc_attention(q, k, v, call: AttnCall, training: bool) -> torch.Tensor:
     scores = torch.matmul(q, k.transpose(-1, -2)) * call.scaling
     if call.softcap is not None:
         scores = torch.tanh(scores / call.softcap) * call.softcap
-    i = torch.arange(n, device=q.device)
-    allowed = i[None, :] <= i[:, None]
-    if call.window is not None:
-        allowed &= i[None, :] > i[:, None] - call.window
+    if allowed is None:
+        i = torch.arange(n, device=q.device)
+        allowed = i[None, :] <= i[:, None]
+        if call.window is not None:
+            allowed &= i[None, :] > i[:, None] - call.window
     scores = scores.masked_fill(~allowed, float("-inf"))
     if call.sinks is not None:
         sink = call.sinks.float().reshape(-1, 1, 1).expand(-1, n, 1)

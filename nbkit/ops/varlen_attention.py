@@ -1,10 +1,12 @@
-"""Causal attention over the documents of one packed row: four kernels with one signature.
+"""Causal attention over the documents of one packed row: five kernels with one signature.
 
 Each kernel takes q, k, v as (T, H, D) views of the flattened row (k/v may have fewer heads: grouped-query), the
 forward's ``PackedRun`` (boundaries, chosen once per forward) and the layer's ``AttnCall``, and returns (T, Hq, D).
 Kernels: ``flash_attn`` (flash-attn's varlen kernel), ``varlen`` (``torch.nn.attention.varlen.varlen_attn``; gpt-oss's
 sinks through ``sink_attention`` on the same flash ops), ``flex`` (flex attention, one block mask per forward and
-window), ``sdpa_loop`` (one exact ``doc_attention`` call per document over host offsets; never a T x T mask).
+window), ``sdpa_loop`` (one exact ``doc_attention`` call per document over host offsets; never a T x T mask),
+``sdpa_masked`` (one ``doc_attention`` call for the whole row with a T x T block-diagonal mask built once per forward
+and window: fewer launches than the loop for rows of many short documents, O(T^2) memory).
 Pure torch: nothing here imports transformers.
 """
 
@@ -21,7 +23,7 @@ import torch
 from .reference_attention import AttnCall, doc_attention
 from .sink_attention import sink_attention
 
-KERNELS = ("flash_attn", "varlen", "flex", "sdpa_loop")
+KERNELS = ("flash_attn", "varlen", "flex", "sdpa_loop", "sdpa_masked")
 
 
 @dataclass
@@ -37,6 +39,25 @@ class PackedRun:
     training: bool
     flex_fn: Callable | None = None
     _flex_masks: dict = field(default_factory=dict)
+    _dense_masks: dict = field(default_factory=dict)
+
+    def _doc_ids(self, device: torch.device) -> torch.Tensor:
+        """Each token's document index (host-known total, so no sync)."""
+        total = self.host_offsets[-1] if self.host_offsets else None
+        lengths = self.cu_q.diff()
+        return torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths.to(device),
+                                       output_size=total)
+
+    def dense_mask(self, window: int | None, device: torch.device) -> torch.Tensor:
+        """The (T, T) boolean mask of this forward's documents (causal, window applied), built once per window."""
+        if window not in self._dense_masks:
+            doc = self._doc_ids(device)
+            i = torch.arange(doc.numel(), device=device)
+            ok = (doc[:, None] == doc[None, :]) & (i[None, :] <= i[:, None])
+            if window is not None:
+                ok &= i[None, :] > i[:, None] - window
+            self._dense_masks[window] = ok
+        return self._dense_masks[window]
 
     def flex_block_mask(self, window: int | None, device: torch.device):
         """The flex block mask for this forward's documents, built once per (window) and reused by every layer."""
@@ -44,11 +65,7 @@ class PackedRun:
         if key not in self._flex_masks:
             from torch.nn.attention.flex_attention import create_block_mask
 
-            total = self.host_offsets[-1] if self.host_offsets else None
-            lengths = self.cu_q.diff()
-            doc = torch.repeat_interleave(
-                torch.arange(lengths.numel(), device=device), lengths.to(device), output_size=total
-            )
+            doc = self._doc_ids(device)
 
             def mask_mod(b, h, qi, ki):
                 ok = (doc[qi] == doc[ki]) & (ki <= qi)
@@ -107,6 +124,16 @@ def _sdpa_loop_kernel(q, k, v, run: PackedRun, call: AttnCall) -> torch.Tensor:
     return out.transpose(0, 1)
 
 
+def _sdpa_masked_kernel(q, k, v, run: PackedRun, call: AttnCall) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    allowed = run.dense_mask(call.window, q.device)
+    out = doc_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), call, run.training, allowed)
+    return out.transpose(0, 1)
+
+
 def _flex_kernel(q, k, v, run: PackedRun, call: AttnCall) -> torch.Tensor:
 
     block_mask = run.flex_block_mask(call.window, q.device)
@@ -134,6 +161,7 @@ KERNEL_FNS = {
     "varlen": _varlen_kernel,
     "flex": _flex_kernel,
     "sdpa_loop": _sdpa_loop_kernel,
+    "sdpa_masked": _sdpa_masked_kernel,
 }
 
 

@@ -104,8 +104,8 @@ def choose_kernel(requested: str, config: Any, device: torch.device) -> tuple[st
         if sinks:
             raise ValueError("nbkit's flex path has no attention sinks (gpt-oss): use 'auto'")
         return "flex", None
-    if requested == "sdpa_loop":
-        return "sdpa_loop", None
+    if requested in ("sdpa_loop", "sdpa_masked"):
+        return requested, None
     # auto
     if on_cuda and flash_attn_available() and not sinks:
         return "flash_attn", None
