@@ -8,7 +8,8 @@ Public API: ``FastSFT``, ``FastSFTConfig``, ``load_model``, ``LiveDashboard``, a
 from __future__ import annotations
 
 import logging
-from typing import Any
+
+from ._lazy import lazy_exports
 
 
 class _DropHubKernelHint(logging.Filter):
@@ -24,19 +25,11 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropHubKernelHint(
 __version__ = "0.1.0"
 __all__ = ["FastSFT", "FastSFTConfig", "load_model", "LiveDashboard", "save_merged", "export_gguf", "__version__"]
 
-_WHERE = {
+__getattr__ = lazy_exports(__name__, {
     "FastSFT": ".trainer",
     "FastSFTConfig": ".config",
     "load_model": ".loading",
     "LiveDashboard": ".dashboard",
     "save_merged": ".export",
     "export_gguf": ".export",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        import importlib
-
-        return getattr(importlib.import_module(_WHERE[name], __name__), name)
-    raise AttributeError(f"module 'nbkit' has no attribute {name!r}")
+})

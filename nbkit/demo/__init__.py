@@ -10,23 +10,15 @@ Names are imported on first use, so ``import nbkit.demo`` does not load transfor
 
 from __future__ import annotations
 
-from typing import Any
+from .._lazy import lazy_exports
 
 __all__ = ["demo_tokenizer_path", "load_demo_tokenizer", "make_dataset", "demo_pairs", "tiny_config", "tiny_model"]
 
-_WHERE = {
+__getattr__ = lazy_exports(__name__, {
     "demo_tokenizer_path": ".tokenizer",
     "load_demo_tokenizer": ".tokenizer",
     "make_dataset": ".data",
     "demo_pairs": ".data",
     "tiny_config": ".models",
     "tiny_model": ".models",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        import importlib
-
-        return getattr(importlib.import_module(_WHERE[name], __name__), name)
-    raise AttributeError(f"module 'nbkit.demo' has no attribute {name!r}")
+})

@@ -12,12 +12,12 @@ The names below are imported on first use, so ``import nbkit.export`` stays chea
 
 from __future__ import annotations
 
-from typing import Any
+from .._lazy import lazy_exports
 
 __all__ = ["save_merged", "merge_folder", "export_gguf", "QUANT_TYPES", "write_modelfile", "push_to_hub",
            "ExportCheckError"]
 
-_WHERE = {
+__getattr__ = lazy_exports(__name__, {
     "save_merged": ".merge",
     "merge_folder": ".merge",
     "export_gguf": ".gguf",
@@ -25,12 +25,4 @@ _WHERE = {
     "write_modelfile": ".modelfile",
     "push_to_hub": ".push",
     "ExportCheckError": ".compare",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        import importlib
-
-        return getattr(importlib.import_module(_WHERE[name], __name__), name)
-    raise AttributeError(f"module 'nbkit.export' has no attribute {name!r}")
+})
