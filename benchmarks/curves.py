@@ -62,6 +62,7 @@ from typing import Any
 from unittest import mock
 
 import torch
+from transformers import TrainerCallback
 
 from .common import git_commit, parse_path, split_paths, write_results
 
@@ -205,22 +206,16 @@ def _settings(task: str) -> dict[str, Any]:
             "assistant_only_loss": False}
 
 
-class _SkippedSteps:
+class _SkippedSteps(TrainerCallback):
     """Counts optimizer steps the fp16 grad scaler skipped (an overflow), read from accelerate after each step."""
 
     def __init__(self) -> None:
-        from transformers import TrainerCallback
-
-        owner = self
         self.trainer: Any = None
         self.steps: list[int] = []
 
-        class Callback(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):
-                if owner.trainer is not None and owner.trainer.accelerator.optimizer_step_was_skipped:
-                    owner.steps.append(state.global_step)
-
-        self.callback = Callback()
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer is not None and self.trainer.accelerator.optimizer_step_was_skipped:
+            self.steps.append(state.global_step)
 
 
 def train_run(run: dict[str, Any]) -> dict[str, Any]:
@@ -272,7 +267,7 @@ def train_run(run: dict[str, Any]) -> dict[str, Any]:
     )
     skipped = _SkippedSteps()
     trainer = trainer_cls(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
-                          callbacks=[skipped.callback])
+                          callbacks=[skipped])
     skipped.trainer = trainer
     if fp16 or on_cpu:  # as FastSFT does itself under fp16: the scaler unscales fp32 gradients only
         want = torch.float64 if fp64 else torch.float32

@@ -62,7 +62,8 @@ class SyncFreeLoss:
         per_token_loss = -outputs.log_probs  # zero on ignored positions
         if self.args.loss_type == "dft":
             per_token_loss = per_token_loss * outputs.log_probs.exp().detach()
-        num_tokens = outputs.label_mask.sum() if num_items_in_batch is None else num_items_in_batch
+        num_valid = outputs.label_mask.sum()
+        num_tokens = num_valid if num_items_in_batch is None else num_items_in_batch
         loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
@@ -71,7 +72,6 @@ class SyncFreeLoss:
             loss = loss + self.router_aux_loss_coef * outputs.aux_loss / steps
 
         metrics = self._metrics[mode]
-        num_valid = outputs.label_mask.sum()
         some = num_valid > 0
         metrics["entropy"].append(torch.where(some, outputs.entropy.detach().sum() / num_valid, 0.0))
         metrics["mean_token_accuracy"].append(torch.where(some, outputs.is_top1.sum() / num_valid, 0.0))
