@@ -97,7 +97,7 @@ if [[ "$1" == "-m" && "$2" == "pip" ]]; then
             if [[ -n "$pkg" ]]; then
                 echo "$pkg" >"$info/top_level.txt"
                 mkdir -p "$FAKE_SITE/$pkg"
-                cp "$FAKE_PACKAGE/__init__.py" "$FAKE_PACKAGE/setup.py" "$FAKE_PACKAGE/colab_setup.sh" "$FAKE_SITE/$pkg/"
+                for f in __init__.py _lazy.py setup.py colab_setup.sh; do cp "$FAKE_PACKAGE/$f" "$FAKE_SITE/$pkg/"; done
             fi
         done
     fi
