@@ -54,9 +54,10 @@ class FastSFTConfig(SFTConfig):
         default="auto",
         metadata={
             "help": "Kernel for the 'nbkit' attention: 'auto' (best present), 'flash_attn', 'varlen' (torch's "
-            "varlen flash kernel), 'flex' (flex attention, block mask built once per step), 'sdpa_loop' (one SDPA "
-            "call per document, the path for CPUs and older GPUs), 'sdpa_masked' (one call per layer with a T x T "
-            "block-diagonal mask built once per step: fewer launches for many short documents, O(T^2) memory)."
+            "varlen flash kernel), 'flex' (flex attention, block mask built once per step), 'sdpa' (exact SDPA: "
+            "'sdpa_masked' for rows of many short documents while the T x T mask is small, else 'sdpa_loop'; the "
+            "path for CPUs, older GPUs and soft-capping), 'sdpa_loop' (one SDPA call per document, never a T x T "
+            "mask), 'sdpa_masked' (one call per layer with a T x T block-diagonal mask built once per step)."
         },
     )
     offload_checkpointing: AutoBool = field(

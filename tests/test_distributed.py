@@ -167,7 +167,7 @@ def test_packed_metadata_is_per_rank(runs):
 @pytest.mark.slow
 def test_speedups_attach_and_run_on_every_rank(runs):
     one, two = runs["one"], runs["two"]
-    expected = ["cached_packing(sdpa_loop)", "fast_moe_routing", "fused_lora", "offload_checkpointing"]
+    expected = ["cached_packing(sdpa)", "fast_moe_routing", "fused_lora", "offload_checkpointing"]
     assert one["attached"] == expected
     for rec in two:
         assert rec["attached"] == expected
@@ -276,7 +276,7 @@ def test_two_gpus_train_like_one(doc_configs, tmp_path):
     _launch(doc_configs["accelerate_fsdp2_2gpu.yaml"], *common, "--out", str(tmp_path / "fsdp"), "--batch", "2")
     one = _load(tmp_path / "one", "main", 1)[0]
     ref = torch.tensor([h["loss"] for h in _train_logs(one)], dtype=torch.float64)
-    assert not one["attached"][0].endswith("(sdpa_loop)") or torch.cuda.get_device_capability() < (8, 0)
+    assert not one["attached"][0].endswith("(sdpa)") or torch.cuda.get_device_capability() < (8, 0)
     for run, rtol, wrapper in (("ddp", GPU_DDP_RTOL, "DistributedDataParallel"), ("fsdp", GPU_FSDP_RTOL, None)):
         recs = _load(tmp_path / run, "main", 2)
         for r, rec in enumerate(recs):

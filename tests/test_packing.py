@@ -24,6 +24,7 @@ from nbkit.speedups.packed_attention import (
 )
 
 _flex_kernel, _sdpa_loop_kernel, _sdpa_masked_kernel = KERNEL_FNS["flex"], KERNEL_FNS["sdpa_loop"], KERNEL_FNS["sdpa_masked"]
+_sdpa_kernel = KERNEL_FNS["sdpa"]
 
 VOCAB = 97
 DENSE_FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"]
@@ -59,7 +60,7 @@ def _dense_reference(q, k, v, offsets, call: AttnCall):
     return out.transpose(0, 1).float()
 
 
-@pytest.mark.parametrize("kernel", [_sdpa_loop_kernel, _sdpa_masked_kernel, _flex_kernel])
+@pytest.mark.parametrize("kernel", [_sdpa_kernel, _sdpa_loop_kernel, _sdpa_masked_kernel, _flex_kernel])
 @pytest.mark.parametrize(
     "window,softcap,sinks", [(None, None, False), (4, None, False), (None, 20.0, False), (3, None, True)]
 )
@@ -187,13 +188,13 @@ def test_metadata_built_once_per_batch_whatever_the_layer_count():
         speedup.attach(model)
         runs = []
 
-        original = KERNEL_FNS["sdpa_loop"]
+        original = KERNEL_FNS["sdpa"]
 
         def spy(q, k, v, run, call, runs=runs, original=original):
             runs.append(run)
             return original(q, k, v, run, call)
 
-        KERNEL_FNS["sdpa_loop"] = spy
+        KERNEL_FNS["sdpa"] = spy
         try:
             from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
@@ -207,7 +208,7 @@ def test_metadata_built_once_per_batch_whatever_the_layer_count():
             with torch.no_grad():
                 model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
         finally:
-            KERNEL_FNS["sdpa_loop"] = original
+            KERNEL_FNS["sdpa"] = original
             speedup.detach()
         assert len(runs) == 2 * layers
         assert all(r is runs[0] for r in runs[:layers]), "every layer must share the collated metadata"
@@ -277,11 +278,33 @@ def test_flash_attn_requested_but_absent_is_a_clear_error():
 
 def test_kernel_choice_on_cpu_and_for_models_the_varlen_kernels_cannot_run():
     cpu = torch.device("cpu")
-    assert choose_kernel("auto", tiny_model("qwen3", VOCAB).config, cpu) == ("sdpa_loop", None)
+    assert choose_kernel("auto", tiny_model("qwen3", VOCAB).config, cpu) == ("sdpa", None)
     kernel, reason = choose_kernel("auto", tiny_model("gemma2", VOCAB).config, torch.device("cuda"))
-    assert kernel in ("sdpa_loop", "flash_attn")
+    assert kernel in ("sdpa", "flash_attn")
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
         choose_kernel("varlen", tiny_model("qwen3", VOCAB).config, cpu)
+
+
+@pytest.mark.parametrize(
+    "tokens,docs,heads,softcap,expect",
+    [(24, 4, 4, None, "masked"), (24, 2, 4, None, "loop"), (24, 1, 4, None, "loop"), (9000, 9, 4, None, "loop"),
+     (8192, 8, 32, None, "masked"), (4096, 8, 4, 50.0, "masked"), (4096, 8, 8, 50.0, "loop")],
+)
+def test_sdpa_kernel_picks_one_masked_call_for_rows_of_many_short_documents(tokens, docs, heads, softcap, expect,
+                                                                          monkeypatch):
+    """auto's exact path: one masked call per layer while the (T, T) mask (and, with soft-capping, one layer's fp32
+    scores) stays small and the row holds more than two documents; else one call per document."""
+    from nbkit.ops import varlen_attention as va
+
+    called = []
+    monkeypatch.setattr(va, "_sdpa_masked_kernel", lambda *a: called.append("masked"))
+    monkeypatch.setattr(va, "_sdpa_loop_kernel", lambda *a: called.append("loop"))
+    q = torch.empty(tokens, heads, 1)
+    offsets = tuple(round(i * tokens / docs) for i in range(docs + 1))
+    run = PackedRun(kernel=_sdpa_kernel, cu_q=torch.tensor(offsets), cu_k=torch.tensor(offsets), max_q=tokens,
+                    max_k=tokens, host_offsets=offsets, training=True)
+    va._sdpa_kernel(q, q, q, run, AttnCall(scaling=1.0, window=None, softcap=softcap, sinks=None, dropout=0.0))
+    assert called == [expect]
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma2"])

@@ -1,4 +1,4 @@
-"""Causal attention over the documents of one packed row: five kernels with one signature.
+"""Causal attention over the documents of one packed row: six kernels with one signature.
 
 Each kernel takes q, k, v as (T, H, D) views of the flattened row (k/v may have fewer heads: grouped-query), the
 forward's ``PackedRun`` (boundaries, chosen once per forward) and the layer's ``AttnCall``, and returns (T, Hq, D).
@@ -6,7 +6,8 @@ Kernels: ``flash_attn`` (flash-attn's varlen kernel), ``varlen`` (``torch.nn.att
 sinks through ``sink_attention`` on the same flash ops), ``flex`` (flex attention, one block mask per forward and
 window), ``sdpa_loop`` (one exact ``doc_attention`` call per document over host offsets; never a T x T mask),
 ``sdpa_masked`` (one ``doc_attention`` call for the whole row with a T x T block-diagonal mask built once per forward
-and window: fewer launches than the loop for rows of many short documents, O(T^2) memory).
+and window: fewer launches than the loop for rows of many short documents, O(T^2) memory), ``sdpa`` (auto's exact
+path: ``sdpa_masked`` while the row's T x T mask and scores stay small (``dense_fits``), else ``sdpa_loop``).
 Pure torch: nothing here imports transformers.
 """
 
@@ -23,7 +24,9 @@ import torch
 from .reference_attention import AttnCall, doc_attention
 from .sink_attention import sink_attention
 
-KERNELS = ("flash_attn", "varlen", "flex", "sdpa_loop", "sdpa_masked")
+KERNELS = ("flash_attn", "varlen", "flex", "sdpa", "sdpa_loop", "sdpa_masked")
+DENSE_MASK_MAX_TOKENS = 8192  # the (T, T) boolean mask: 64 MiB at most
+DENSE_SCORES_MAX_BYTES = 1 << 30  # the exact path's fp32 scores, probabilities and their gradients, one layer
 
 
 @dataclass
@@ -134,6 +137,22 @@ def _sdpa_masked_kernel(q, k, v, run: PackedRun, call: AttnCall) -> torch.Tensor
     return out.transpose(0, 1)
 
 
+def dense_fits(tokens: int, heads: int, call: AttnCall) -> bool:
+    """Whether one masked call over the whole row is cheap in memory: SDPA reads a (T, T) boolean mask; the exact
+    path (soft-capping, sinks) also holds ~4 fp32 (H, T, T) tensors of one layer for its backward."""
+    if tokens > DENSE_MASK_MAX_TOKENS:
+        return False
+    return (call.softcap is None and call.sinks is None) or 16 * heads * tokens * tokens <= DENSE_SCORES_MAX_BYTES
+
+
+def _sdpa_kernel(q, k, v, run: PackedRun, call: AttnCall) -> torch.Tensor:
+    # rows of many short documents: one masked call per layer instead of a few launches per document
+    offsets = run.host_offsets
+    if offsets is None or (len(offsets) > 3 and dense_fits(q.shape[0], q.shape[1], call)):
+        return _sdpa_masked_kernel(q, k, v, run, call)
+    return _sdpa_loop_kernel(q, k, v, run, call)
+
+
 def _flex_kernel(q, k, v, run: PackedRun, call: AttnCall) -> torch.Tensor:
 
     block_mask = run.flex_block_mask(call.window, q.device)
@@ -160,6 +179,7 @@ KERNEL_FNS = {
     "flash_attn": _flash_attn_kernel,
     "varlen": _varlen_kernel,
     "flex": _flex_kernel,
+    "sdpa": _sdpa_kernel,
     "sdpa_loop": _sdpa_loop_kernel,
     "sdpa_masked": _sdpa_masked_kernel,
 }

@@ -19,8 +19,9 @@ Contract:
 Kernels, chosen once at attach: ``flash_attn`` (flash-attn's varlen kernel, if installed), ``varlen``
 (``torch.nn.attention.varlen.varlen_attn``, CUDA, fp16/bf16; gpt-oss's attention sinks through
 ``nbkit.ops.sink_attention`` on the same flash ops), ``flex`` (flex attention, block mask built once per
-forward), ``sdpa_loop`` (one SDPA call per document over the host offsets; never a T x T mask; handles soft-capping
-and attention sinks exactly; the path for CPUs and GPUs without flash kernels such as the T4).
+forward), ``sdpa`` (exact SDPA, soft-capping and attention sinks included: the whole row in one masked call while
+its T x T mask is small, else one call per document; auto's path on CPUs, on GPUs without flash kernels such as the
+T4, and for gemma2's soft-capping), ``sdpa_loop`` / ``sdpa_masked`` (either of those, always).
 Kernels live in ``nbkit.ops.varlen_attention``; this module wires them into transformers.
 """
 
@@ -104,7 +105,7 @@ def choose_kernel(requested: str, config: Any, device: torch.device) -> tuple[st
         if sinks:
             raise ValueError("nbkit's flex path has no attention sinks (gpt-oss): use 'auto'")
         return "flex", None
-    if requested in ("sdpa_loop", "sdpa_masked"):
+    if requested in ("sdpa", "sdpa_loop", "sdpa_masked"):
         return requested, None
     # auto
     if on_cuda and flash_attn_available() and not sinks:
@@ -114,10 +115,10 @@ def choose_kernel(requested: str, config: Any, device: torch.device) -> tuple[st
     if on_cuda and varlen_available() and not needs:
         return "varlen", None
     if needs:
-        return "sdpa_loop", f"{getattr(config, 'model_type', 'model')} needs {', '.join(needs)}, which the varlen kernels lack"
+        return "sdpa", f"{getattr(config, 'model_type', 'model')} needs {', '.join(needs)}, which the varlen kernels lack"
     if on_cuda:
-        return "sdpa_loop", "no flash kernel on this GPU (flash-attn absent, torch varlen needs sm80+)"
-    return "sdpa_loop", None
+        return "sdpa", "no flash kernel on this GPU (flash-attn absent, torch varlen needs sm80+)"
+    return "sdpa", None
 
 
 def nbkit_attention_forward(
@@ -148,7 +149,7 @@ def nbkit_attention_forward(
     k = key.transpose(1, 2).reshape(bsz * seq, key.shape[1], key.shape[3])
     v = value.transpose(1, 2).reshape(bsz * seq, value.shape[1], value.shape[3])
     if run.kernel in _FUSED_KERNELS and not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
-        kernel = KERNEL_FNS["sdpa_loop"]  # fp32 or CPU tensors: the fused kernels do not run them
+        kernel = KERNEL_FNS["sdpa"]  # fp32 or CPU tensors: the fused kernels do not run them
     else:
         kernel = run.kernel
     call = AttnCall(
@@ -212,7 +213,7 @@ class PackedAttention:
         device = next(base.parameters()).device
         self.kernel, reason = choose_kernel(self.requested, text_config, device)
         if reason:
-            logger.warning("nbkit: attention runs on the per-document SDPA path (%s): exact, slower than varlen", reason)
+            logger.warning("nbkit: attention runs on the exact SDPA path (%s): slower than varlen", reason)
         if self.kernel == "flex":
             from torch.nn.attention.flex_attention import flex_attention
 
@@ -292,7 +293,7 @@ class PackedAttention:
         return args, kwargs
 
     def _host_offsets(self, cu: torch.Tensor) -> tuple[int, ...] | None:
-        if self.kernel != "sdpa_loop" and cu.is_cuda:
+        if self.kernel not in ("sdpa", "sdpa_loop") and cu.is_cuda:
             return None  # not needed by the fused kernels: no sync
         return tuple(int(x) for x in cu.tolist())
 

@@ -87,3 +87,47 @@ def test_the_entry_end_to_end_on_a_cpu(tmp_path, monkeypatch):
     assert runs["fastsft"]["gap"]["max_abs_gap"] < 1e-3 * runs["trl"]["losses"][0]
     (v,) = [r for r in saved["figures"] if r["kind"] == "verdict"]
     assert v["path"] == "fastsft" and v["within_floor"] is None
+
+
+def test_moe_families_are_judged_against_the_experts_floor():
+    def row(path, gap, seed=0):
+        return {"family": "mixtral", "task": "demo", "precision": "bf16", "seed": seed, "path": path,
+                "gap": {"max_abs_gap": gap}}
+
+    rows = [row("trl_eager", 0.05), row("trl_experts", 0.2), row("trl_order", 0.3), row("fastsft", 0.1)]
+    (v,) = verdict(rows)
+    assert v["floor_path"] == "trl_experts" and v["within_floor"] and v["floor_trl_eager"] == 0.05
+
+
+def test_the_experts_floor_loads_transformers_eager_experts(monkeypatch):
+    import nbkit.loading
+
+    from benchmarks import curves
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_load(base, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(nbkit.loading, "load_model", fake_load)
+    run = {"task": "demo", "family": "mixtral", "precision": "fp32", "steps": 1, "seed": 0, "base": "x"}
+    for path, want in (("trl_experts", "eager"), ("trl", None)):
+        seen.clear()
+        with pytest.raises(Stop):
+            curves.train_run({**run, "path": path, "load_in_4bit": False})
+        assert seen.get("experts_implementation") == want
+
+
+def test_merge_keeps_one_row_per_workload_and_path(tmp_path):
+    from benchmarks.curves import _load_rows
+
+    row = {"task": "demo", "family": "qwen2", "precision": "fp16", "seed": 0, "path": "trl", "losses": [1.0]}
+    a, b = tmp_path / "a.partial.jsonl", tmp_path / "b.partial.jsonl"
+    a.write_text(json.dumps(row) + "\n")
+    b.write_text(json.dumps(row | {"losses": [2.0]}) + "\n" + json.dumps(row | {"path": "fastsft"}) + "\n")
+    rows, _ = _load_rows([str(a), str(b)])
+    assert [(r["path"], r["losses"]) for r in rows] == [("trl", [1.0]), ("fastsft", [1.0])]
