@@ -101,7 +101,6 @@ def test_moe_families_are_judged_against_the_experts_floor():
 
 def test_the_experts_floor_loads_transformers_eager_experts(monkeypatch):
     import nbkit.loading
-
     from benchmarks import curves
 
     seen = {}
