@@ -37,7 +37,7 @@ def _model(family, dtype, attn="eager"):
     return tiny_model(family, VOCAB, dtype=dtype, attn_implementation=attn, **SHAPE).cuda()
 
 
-@pytest.mark.parametrize("kernel_name", ["varlen", "sdpa_loop", "sdpa_masked"])
+@pytest.mark.parametrize("kernel_name", ["varlen", "sdpa", "sdpa_loop", "sdpa_masked"])
 @pytest.mark.parametrize("window,gqa", [(None, True), (None, False), (32, True)])
 def test_bf16_kernel_matches_fp32_dense_block_diagonal_mask(kernel_name, window, gqa):
     from nbkit.ops.packed_boundaries import metadata_from_lengths
@@ -69,7 +69,7 @@ def test_bf16_kernel_matches_fp32_dense_block_diagonal_mask(kernel_name, window,
     assert _rel(out, ref) < 1e-2, _rel(out, ref)
 
 
-@pytest.mark.parametrize("kernel", ["varlen", "sdpa_loop", "sdpa_masked", "auto"])
+@pytest.mark.parametrize("kernel", ["varlen", "sdpa", "sdpa_loop", "sdpa_masked", "auto"])
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma3", "gemma2"])
 def test_bf16_packed_logits_match_the_plain_path(kernel, family):
     """Parity with what a plain transformers user gets: the same bf16 model, each document run alone on sdpa
