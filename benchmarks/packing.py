@@ -9,7 +9,8 @@ work. Attention: per layer forward 0.34 ms varlen vs 7.5 ms dense-mask SDPA (BEN
 layers x (fwd + recompute + ~2.5x bwd) is ~0.04 s for varlen against ~0.9 s for the dense mask. So plain sdpa ~1.8 s,
 FastSFT ~0.95-1.0 s (~1.85x), the per-document SDPA path (T4 path, forced) ~1.2 s: between the two.
 
-    python -m benchmarks.packing [--tokens 16384] [--steps 6] [--warmup 2] [--paths sdpa,flex,nbkit,nbkit_sdpa,nbkit_sdpa_loop,nbkit_sdpa_masked]
+    python -m benchmarks.packing [--tokens 16384] [--steps 6] [--warmup 2] \\
+        [--paths sdpa,flex,nbkit,nbkit_sdpa,nbkit_sdpa_loop,nbkit_sdpa_masked]
 """
 
 from __future__ import annotations
