@@ -15,7 +15,9 @@ Paths (``--paths``, comma separated):
   ``ForCausalLMLoss`` on ``outputs.logits``), the branch of TRL 1.16's ``SFTTrainer.compute_loss`` that runs the
   model's ordinary forward. What the fused head saves. That branch also runs a second, no-grad fused forward for
   TRL's entropy/accuracy metrics, so its step time is not that of a trainer without the fused head.
-- ``fastsft``: ``FastSFT`` with its defaults; ``fastsft[switch=value;...]``: switches changed, e.g.
+- ``fastsft``: ``FastSFT`` with its defaults (since 2026-12-01 ``tiled_mlp="auto"``: MLP calls tiled only when short
+  of memory; the first run measured ``tiled_mlp=False`` as the default); ``fastsft[switch=value;...]``: switches
+  changed, e.g.
   ``fastsft[tiled_mlp=True]``, ``fastsft[offload_checkpointing=False]`` (the switches are passed through as given).
 
 Method:

@@ -98,13 +98,14 @@ class FastSFTConfig(SFTConfig):
             "Qwen3-MoE, Mixtral, Gemma 1-3). 'auto': on when liger-kernel is installed and the model is on CUDA."
         },
     )
-    tiled_mlp: Union[bool, int] = field(
-        default=False,
+    tiled_mlp: Union[bool, int, str] = field(
+        default="auto",
         metadata={
             "help": "Run each decoder layer's dense MLP over tiles of the sequence, recomputed per tile in backward, "
             "so its (tokens x intermediate) activations exist for one tile at a time: for rows too long to fit "
-            "otherwise. True: tiles of hidden_size tokens; an int: tiles of that many tokens. Costs one more MLP "
-            "forward per layer; rows no longer than a tile run the plain MLP. MoE blocks are not tiled."
+            "otherwise. 'auto': only calls whose untiled MLP would take the GPU past 90% of its memory are tiled; "
+            "True: every call longer than a tile (tiles of hidden_size tokens); an int: tiles of that many tokens. "
+            "A tiled call costs one more MLP forward; MoE blocks are not tiled."
         },
     )
     sync_free_metrics: bool = field(

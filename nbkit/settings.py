@@ -33,7 +33,7 @@ SWITCH_VALUES: dict[str, tuple[Any, ...]] = {
     "offload_checkpointing": AUTO_BOOL,
     "fused_kernels": AUTO_BOOL,
     "live_dashboard": AUTO_BOOL,
-    "tiled_mlp": (True, False, POSITIVE_INT),
+    "tiled_mlp": (True, False, "auto", POSITIVE_INT),
     "on_nonfinite_loss": ("stop", "skip", "off"),
 }
 _BFD = ("bfd", "bfd_split", "bfd-requeue")  # TRL's packing strategies that pack padding-free
@@ -51,7 +51,8 @@ def value_problem(name: str, value: Any) -> Optional[str]:
     if any(value is a or (isinstance(a, str) and a != POSITIVE_INT and value == a) for a in allowed):
         return None
     if POSITIVE_INT in allowed:
-        return f"{name}={value!r}: use True, False or a positive number of tokens"
+        auto = ", 'auto'" if "auto" in allowed else ""
+        return f"{name}={value!r}: use True, False{auto} or a positive number of tokens"
     if allowed == AUTO_BOOL:
         return f"{name}={value!r}: use True, False or 'auto'"
     return f"{name}={value!r}: choose one of {', '.join(repr(a) for a in allowed)}"

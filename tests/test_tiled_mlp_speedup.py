@@ -72,9 +72,55 @@ def test_moe_blocks_are_left_alone():
     speedup.detach()
 
 
-def test_the_switch_takes_true_false_or_a_tile_length():
-    for value in (True, False, 4096):
+def test_the_switch_takes_true_false_auto_or_a_tile_length():
+    assert FastSFTConfig(output_dir="x", report_to=[]).tiled_mlp == "auto"
+    for value in (True, False, "auto", 4096):
         assert FastSFTConfig(output_dir="x", tiled_mlp=value, report_to=[]).tiled_mlp == value
-    for value in (0, "auto", 2.5):
+    for value in (0, "always", 2.5):
         with pytest.raises(SettingError, match="tiled_mlp"):
             FastSFTConfig(output_dir="x", tiled_mlp=value, report_to=[])
+
+
+def test_auto_tiles_only_calls_that_would_crowd_the_gpu():
+    from nbkit.speedups.tiled_mlp import needs_tiles
+
+    gib = 1 << 30
+    reads = []
+
+    def in_use(n):
+        return lambda: reads.append(n) or n
+
+    # Llama-3.1-8B's MLP (14,336 wide, bf16): 32K tokens need ~5.3 GiB, 16K ~2.6, 128K ~21
+    assert not needs_tiles(16384, 14336, 2, 80 * gib, in_use(70 * gib))  # under 1/16 of 80 GiB: not looked at
+    assert reads == []
+    assert not needs_tiles(32768, 14336, 2, 16 * gib, in_use(8 * gib))  # 8 + 5.3 GiB fit in 90% of 16
+    assert needs_tiles(32768, 14336, 2, 16 * gib, in_use(10 * gib))  # 10 + 5.3 do not
+    assert not needs_tiles(131072, 14336, 2, 80 * gib, in_use(50 * gib))
+    assert needs_tiles(131072, 14336, 2, 80 * gib, in_use(55 * gib))
+    assert reads == [8 * gib, 10 * gib, 50 * gib, 55 * gib]
+
+
+def test_auto_leaves_cpu_runs_plain(tmp_path, one_thread, monkeypatch):
+    calls = []
+    apply = tiled_op._TiledMLP.apply
+    monkeypatch.setattr(tiled_op._TiledMLP, "apply", lambda *a: calls.append(1) or apply(*a))
+    _, _, trainer = _train(tmp_path, "llama", "auto", True)
+    assert "tiled_mlp" in trainer.nbkit_attached and not calls
+
+
+def test_auto_short_of_memory_tiles_and_trains_as_the_plain_mlp(tmp_path, one_thread, monkeypatch):
+    """A GPU faked on the CPU: 1 MiB this process may use, half of it in use. Every MLP call longer than a tile
+    is tiled (tiles of hidden_size tokens: 96-token rows of batch 2 are 192 tokens, hidden 64)."""
+    from nbkit.speedups import tiled_mlp as tiled_speedup
+
+    calls = []
+    apply = tiled_op._TiledMLP.apply
+    monkeypatch.setattr(tiled_op._TiledMLP, "apply", lambda *a: calls.append(a[1].shape) or apply(*a))
+    losses_plain, weights_plain, _ = _train(tmp_path, "llama", False, True)
+    monkeypatch.setattr(tiled_speedup, "gpu_limit", lambda device: 1 << 20)
+    monkeypatch.setattr(tiled_speedup, "gpu_in_use", lambda device: 1 << 19)
+    losses_auto, weights_auto, _ = _train(tmp_path, "llama", "auto", True)
+    assert calls
+    assert losses_auto == pytest.approx(losses_plain, rel=1e-5)
+    for name, w in weights_plain.items():
+        assert float((weights_auto[name] - w).abs().max() / w.abs().max().clamp_min(1e-12)) <= 1e-5, name

@@ -71,6 +71,8 @@ def _tiled(args: Any, packed_batches: bool) -> Optional[Speedup]:
         return None
     from .tiled_mlp import TiledMLP
 
+    if mode == "auto":
+        return TiledMLP(auto=True)
     return TiledMLP(tile_tokens=None if mode is True else int(mode))
 
 

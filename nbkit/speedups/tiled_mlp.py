@@ -11,6 +11,11 @@ How it hooks in: each decoder layer's dense MLP (a module with ``gate_proj``, ``
 fused_kernels' when that attached first) through ``tiled_mlp`` when the call has more tokens than one tile, and
 directly otherwise: short rows pay one comparison. MoE blocks and other MLPs keep their forward.
 
+``auto`` (the default): a call is tiled only when its untiled MLP would crowd the GPU, judged per call from the
+allocator's counters (host-side, no sync): the MLP's working set, ~6 (tokens x intermediate) tensors, counts once it
+is 1/16 of the GPU's memory (the per-process fraction applied), and the call is tiled when the memory in use plus
+that working set would pass 90% of it. Rows that fit run the plain MLP at full speed; on a CPU nothing is tiled.
+
 Contract: the same math as the plain MLP (it is the same forward, called on slices of the tokens); gradients of the
 MLP's trainable parameters (LoRA adapters, or the full weights) summed over tiles in fp32. Parity with the plain
 path: tests/test_tiled_mlp_speedup.py.
@@ -34,11 +39,43 @@ def _is_dense_mlp(module: nn.Module) -> bool:
     return all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj")) and not hasattr(module, "experts")
 
 
+WORKING_SET = 6  # (tokens x intermediate) tensors of one MLP call and its backward: gate, up, their product, grads
+COUNTS_FROM = 1 / 16  # of the GPU's memory: below that, a call's MLP is not worth a look at the allocator
+FILL = 0.9
+
+
+def needs_tiles(tokens: int, intermediate: int, elem_bytes: int, limit: int, in_use: Callable[[], int]) -> bool:
+    """'auto''s rule: whether the untiled MLP of a call would take the GPU past ``FILL`` of ``limit`` bytes.
+    ``in_use`` (bytes held by tensors) is read only for calls whose MLP counts."""
+    need = WORKING_SET * tokens * intermediate * elem_bytes
+    return need >= COUNTS_FROM * limit and in_use() + need > FILL * limit
+
+
+def gpu_limit(device: torch.device) -> Optional[int]:
+    """Bytes this process may use on a CUDA device (its per-process fraction applied); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    limit = torch.cuda.get_device_properties(device).total_memory
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return int(limit * fraction(device)) if fraction is not None else limit
+
+
+def gpu_in_use(device: torch.device) -> int:
+    """Bytes held by tensors on ``device``: the caching allocator's host-side counter (no sync)."""
+    return torch.cuda.memory_allocated(device)
+
+
 def _tiled_forward(forward: Callable[[torch.Tensor], torch.Tensor], params: list[nn.Parameter],
-                   tile_tokens: int) -> Callable[[torch.Tensor], torch.Tensor]:
+                   tile_tokens: int, auto_intermediate: Optional[int] = None) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward_in_tiles(x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 2 or x.shape[-2] <= tile_tokens:
             return forward(x)
+        if auto_intermediate is not None:
+            limit = gpu_limit(x.device)
+            tokens = x.numel() // x.shape[-1]
+            if limit is None or not needs_tiles(tokens, auto_intermediate, x.element_size(), limit,
+                                                lambda: gpu_in_use(x.device)):
+                return forward(x)
         trainable = [p for p in params if p.requires_grad]
         return tiled_mlp(forward, x, trainable, tile_tokens=tile_tokens)
 
@@ -50,15 +87,16 @@ class TiledMLP:
     """Speedup: the dense MLPs of one model run over tiles of ``tile_tokens`` tokens while attached.
 
     ``tile_tokens=None``: tiles of the model's hidden size in tokens, so one tile's (tokens x intermediate)
-    activation is the size of one MLP weight.
+    activation is the size of one MLP weight. ``auto``: only calls that would crowd the GPU are tiled (``needs_tiles``).
     """
 
     name = "tiled_mlp"
 
-    def __init__(self, tile_tokens: Optional[int] = None) -> None:
+    def __init__(self, tile_tokens: Optional[int] = None, auto: bool = False) -> None:
         if tile_tokens is not None and tile_tokens < 1:
             raise ValueError(f"tiled_mlp: tile_tokens must be at least 1, not {tile_tokens}")
         self.tile_tokens = tile_tokens
+        self.auto = auto
         self._ledger = PatchLedger(self.name)
         self.count = 0
 
@@ -66,14 +104,19 @@ class TiledMLP:
         self.detach()
         base = unwrap_model(model)
         config = getattr(base, "config", None)
-        hidden = getattr(config.get_text_config(), "hidden_size", None) if config is not None else None
+        text = config.get_text_config() if config is not None else None
+        hidden = getattr(text, "hidden_size", None)
         tile = self.tile_tokens or hidden
         if not tile:
             logger.info("nbkit: tiled_mlp found no hidden_size in the config and no tile_tokens; plain MLPs kept")
             return False
+        intermediate = None
+        if self.auto:
+            intermediate = getattr(text, "intermediate_size", None) or 4 * (hidden or tile)
         for module in base.modules():
             if _is_dense_mlp(module) and not getattr(module.forward, "nbkit_tiled", False):
-                self._ledger.set(module, "forward", _tiled_forward(module.forward, list(module.parameters()), tile))
+                wrapped = _tiled_forward(module.forward, list(module.parameters()), tile, intermediate)
+                self._ledger.set(module, "forward", wrapped)
                 self.count += 1
         if not self.count:
             logger.info("nbkit: tiled_mlp found no dense MLP (gate/up/down projections) in this model; plain kept")
