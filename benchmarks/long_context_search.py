@@ -33,7 +33,7 @@ def prior_key(spec: str) -> str:
     name, over = parse_path(spec)
     if name != "fastsft":
         return name
-    tiled = over.get("tiled_mlp", False) not in (False, 0)
+    tiled = over.get("tiled_mlp", "auto") is not False  # 'auto' (the default) tiles near the limit
     key = "fastsft_tiled" if tiled else "fastsft"
     return key + ("_no_offload" if over.get("offload_checkpointing", "auto") is False else "")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 from trl import SFTConfig
 
@@ -21,7 +21,7 @@ from . import settings
 
 logger = logging.getLogger(__name__)
 
-AutoBool = Union[bool, Literal["auto"]]
+AutoBool = Literal[True, False, "auto"]  # a Literal, so transformers' HfArgumentParser (TrlParser) can parse it
 
 
 @dataclass
@@ -98,15 +98,19 @@ class FastSFTConfig(SFTConfig):
             "Qwen3-MoE, Mixtral, Gemma 1-3). 'auto': on when liger-kernel is installed and the model is on CUDA."
         },
     )
-    tiled_mlp: Union[bool, int, str] = field(
+    tiled_mlp: AutoBool = field(
         default="auto",
         metadata={
             "help": "Run each decoder layer's dense MLP over tiles of the sequence, recomputed per tile in backward, "
             "so its (tokens x intermediate) activations exist for one tile at a time: for rows too long to fit "
             "otherwise. 'auto': only calls whose untiled MLP would take the GPU past 90% of its memory are tiled; "
-            "True: every call longer than a tile (tiles of hidden_size tokens); an int: tiles of that many tokens. "
-            "A tiled call costs one more MLP forward; MoE blocks are not tiled."
+            "True: every call longer than a tile. A tiled call costs one more MLP forward; MoE blocks are not tiled."
         },
+    )
+    tiled_mlp_tokens: Optional[int] = field(
+        default=None,
+        metadata={"help": "Tokens per tile of tiled_mlp. None: the model's hidden size (one tile's activation is then "
+                  "the size of one MLP weight)."},
     )
     sync_free_metrics: bool = field(
         default=False,

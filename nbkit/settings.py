@@ -33,7 +33,8 @@ SWITCH_VALUES: dict[str, tuple[Any, ...]] = {
     "offload_checkpointing": AUTO_BOOL,
     "fused_kernels": AUTO_BOOL,
     "live_dashboard": AUTO_BOOL,
-    "tiled_mlp": (True, False, "auto", POSITIVE_INT),
+    "tiled_mlp": AUTO_BOOL,
+    "tiled_mlp_tokens": (None, POSITIVE_INT),
     "on_nonfinite_loss": ("stop", "skip", "off"),
 }
 _BFD = ("bfd", "bfd_split", "bfd-requeue")  # TRL's packing strategies that pack padding-free
@@ -51,8 +52,7 @@ def value_problem(name: str, value: Any) -> Optional[str]:
     if any(value is a or (isinstance(a, str) and a != POSITIVE_INT and value == a) for a in allowed):
         return None
     if POSITIVE_INT in allowed:
-        auto = ", 'auto'" if "auto" in allowed else ""
-        return f"{name}={value!r}: use True, False{auto} or a positive number of tokens"
+        return f"{name}={value!r}: use None or a positive number of tokens"
     if allowed == AUTO_BOOL:
         return f"{name}={value!r}: use True, False or 'auto'"
     return f"{name}={value!r}: choose one of {', '.join(repr(a) for a in allowed)}"

@@ -23,7 +23,7 @@ no_accelerator = pytest.mark.skipif(torch.cuda.is_available() or (
 
 
 _BAD = {"attention_kernel": "fast", "offload_checkpointing": "yes", "fused_kernels": 1, "live_dashboard": "on",
-        "on_nonfinite_loss": "ignore", "tiled_mlp": 0}
+        "on_nonfinite_loss": "ignore", "tiled_mlp": 4096, "tiled_mlp_tokens": 0}
 
 
 @pytest.mark.parametrize("name", sorted(SWITCH_VALUES))
@@ -36,6 +36,20 @@ def test_every_switch_value_is_checked_by_the_one_rule(tmp_path, name):
     for good in SWITCH_VALUES[name]:
         good = 4096 if good == POSITIVE_INT else good  # the marker stands for any positive int
         assert getattr(FastSFTConfig(output_dir=str(tmp_path), bf16=False, **{name: good}), name) == good
+
+
+def test_transformers_argument_parser_reads_every_switch():
+    """TRL's scripts parse their config with transformers' HfArgumentParser (TrlParser): FastSFTConfig must parse."""
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(FastSFTConfig).parse_args_into_dataclasses(
+        ["--output_dir", "x", "--report_to", "none", "--bf16", "False", "--offload_checkpointing", "False",
+         "--fused_kernels", "True", "--tiled_mlp", "auto", "--tiled_mlp_tokens", "2048",
+         "--attention_kernel", "sdpa", "--on_nonfinite_loss", "skip"])
+    assert args.offload_checkpointing is False and args.fused_kernels is True and args.tiled_mlp == "auto"
+    assert args.tiled_mlp_tokens == 2048 and args.attention_kernel == "sdpa" and args.on_nonfinite_loss == "skip"
+    (default,) = HfArgumentParser(FastSFTConfig).parse_args_into_dataclasses(["--output_dir", "x", "--bf16", "False"])
+    assert default.live_dashboard == "auto" and default.tiled_mlp_tokens is None
 
 
 def test_attention_kernels_allowed_are_the_kernels_that_exist():

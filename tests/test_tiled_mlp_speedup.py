@@ -20,7 +20,7 @@ from nbkit.ops import tiled_mlp as tiled_op
 from nbkit.settings import SettingError
 
 
-def _train(tmp_path, family: str, tiled, checkpointing: bool):
+def _train(tmp_path, family: str, tiled, checkpointing: bool, tokens=None):
     tok = load_demo_tokenizer()
     model = tiny_model(family, len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
     args = FastSFTConfig(
@@ -29,6 +29,7 @@ def _train(tmp_path, family: str, tiled, checkpointing: bool):
         packing=True, max_length=96, shuffle_dataset=False, dataloader_num_workers=0, disable_tqdm=True,
         live_dashboard=False, gradient_checkpointing=checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False}, optim="sgd", tiled_mlp=tiled,
+        tiled_mlp_tokens=tokens,
     )
     lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
     torch.manual_seed(0)
@@ -52,7 +53,7 @@ def test_tiled_mlp_trains_as_the_plain_mlp(tmp_path, one_thread, monkeypatch, fa
     monkeypatch.setattr(tiled_op._TiledMLP, "apply", counted)
     losses_plain, weights_plain, _ = _train(tmp_path, family, False, checkpointing)
     assert not calls
-    losses_tiled, weights_tiled, trainer = _train(tmp_path, family, 8, checkpointing)
+    losses_tiled, weights_tiled, trainer = _train(tmp_path, family, True, checkpointing, tokens=8)
     assert calls and all(shape[-2] > 8 for shape in calls), calls
     assert "tiled_mlp" in trainer.nbkit_attached
     assert losses_tiled == pytest.approx(losses_plain, rel=1e-5) and len(losses_plain) == 2
@@ -72,13 +73,17 @@ def test_moe_blocks_are_left_alone():
     speedup.detach()
 
 
-def test_the_switch_takes_true_false_auto_or_a_tile_length():
+def test_the_switch_takes_true_false_or_auto_and_a_tile_length():
     assert FastSFTConfig(output_dir="x", report_to=[]).tiled_mlp == "auto"
-    for value in (True, False, "auto", 4096):
+    for value in (True, False, "auto"):
         assert FastSFTConfig(output_dir="x", tiled_mlp=value, report_to=[]).tiled_mlp == value
-    for value in (0, "always", 2.5):
+    for value in (0, "always", 4096):
         with pytest.raises(SettingError, match="tiled_mlp"):
             FastSFTConfig(output_dir="x", tiled_mlp=value, report_to=[])
+    assert FastSFTConfig(output_dir="x", tiled_mlp_tokens=4096, report_to=[]).tiled_mlp_tokens == 4096
+    for value in (0, -1, 2.5, True):
+        with pytest.raises(SettingError, match="tiled_mlp_tokens"):
+            FastSFTConfig(output_dir="x", tiled_mlp_tokens=value, report_to=[])
 
 
 def test_auto_tiles_only_calls_that_would_crowd_the_gpu():

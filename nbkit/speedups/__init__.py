@@ -71,9 +71,7 @@ def _tiled(args: Any, packed_batches: bool) -> Optional[Speedup]:
         return None
     from .tiled_mlp import TiledMLP
 
-    if mode == "auto":
-        return TiledMLP(auto=True)
-    return TiledMLP(tile_tokens=None if mode is True else int(mode))
+    return TiledMLP(tile_tokens=switch(args, "tiled_mlp_tokens"), auto=mode == "auto")
 
 
 def _offload(args: Any, packed_batches: bool) -> Optional[Speedup]:

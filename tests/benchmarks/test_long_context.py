@@ -69,9 +69,9 @@ def test_the_warm_row_decides_offloading_as_the_long_row_does():
 
 def test_priors_follow_the_switches():
     assert lcs.prior_key("sft") == "sft" and lcs.prior_key("sft_full_logits") == "sft_full_logits"
-    assert lcs.prior_key("fastsft") == "fastsft"
+    assert lcs.prior_key("fastsft") == "fastsft_tiled"  # tiled_mlp='auto' tiles near the limit
     assert lcs.prior_key("fastsft[tiled_mlp=True]") == "fastsft_tiled"
-    assert lcs.prior_key("fastsft[tiled_mlp=4096;offload_checkpointing=False]") == "fastsft_tiled_no_offload"
+    assert lcs.prior_key("fastsft[tiled_mlp=True;offload_checkpointing=False]") == "fastsft_tiled_no_offload"
     assert lcs.prior_key("fastsft[tiled_mlp=False]") == "fastsft"
     tokens, fixed, slope = lcs.prior_line("8b", "sft")
     assert (tokens, fixed) == (0, 6.5) and slope == pytest.approx(0.58 / 1024)
