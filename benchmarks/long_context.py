@@ -19,6 +19,9 @@ Paths (``--paths``, comma separated):
   of memory; the first run measured ``tiled_mlp=False`` as the default); ``fastsft[switch=value;...]``: switches
   changed, e.g.
   ``fastsft[tiled_mlp=True]``, ``fastsft[offload_checkpointing=False]`` (the switches are passed through as given).
+  A 12 GB host (free Colab): ``fastsft[offload_max_host_bytes=8589934592]`` caps the offload pool at 8 GiB, the rest
+  of such a host going to the process itself (~2.5 GiB of RSS besides the pool here) and the system; the layer
+  inputs past the cap stay on the GPU. It caps what nbkit pins, not the process: the table's RSS column says the rest.
 
 Method:
 - Budget: the H200 is capped with ``torch.cuda.set_per_process_memory_fraction(budget / total)`` (budgets in GiB,

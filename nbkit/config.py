@@ -76,6 +76,11 @@ class FastSFTConfig(SFTConfig):
         metadata={"help": "'auto' offloads only when one layer's checkpointed input is at least this large "
                   "(16 MiB: 4K tokens of a 2048-wide model; its copy is ~0.3 ms and hides behind the layer)."},
     )
+    offload_max_host_bytes: Optional[int] = field(
+        default=None,
+        metadata={"help": "At most this many bytes of host RAM for offloaded layer inputs; the rest stay on the GPU "
+                  "(free Colab has ~12 GB of RAM for everything). None: what the host has, less 4 GiB."},
+    )
     fast_moe_routing: bool = field(
         default=True,
         metadata={

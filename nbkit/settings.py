@@ -35,6 +35,7 @@ SWITCH_VALUES: dict[str, tuple[Any, ...]] = {
     "live_dashboard": AUTO_BOOL,
     "tiled_mlp": AUTO_BOOL,
     "tiled_mlp_tokens": (None, POSITIVE_INT),
+    "offload_max_host_bytes": (None, POSITIVE_INT),
     "on_nonfinite_loss": ("stop", "skip", "off"),
 }
 _BFD = ("bfd", "bfd_split", "bfd-requeue")  # TRL's packing strategies that pack padding-free
@@ -52,7 +53,8 @@ def value_problem(name: str, value: Any) -> Optional[str]:
     if any(value is a or (isinstance(a, str) and a != POSITIVE_INT and value == a) for a in allowed):
         return None
     if POSITIVE_INT in allowed:
-        return f"{name}={value!r}: use None or a positive number of tokens"
+        unit = "bytes" if name.endswith("_bytes") else "tokens"
+        return f"{name}={value!r}: use None or a positive number of {unit}"
     if allowed == AUTO_BOOL:
         return f"{name}={value!r}: use True, False or 'auto'"
     return f"{name}={value!r}: choose one of {', '.join(repr(a) for a in allowed)}"

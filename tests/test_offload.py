@@ -360,6 +360,34 @@ def test_host_memory_exhausted_keeps_inputs(gc_model, monkeypatch, caplog):
     oc.detach()
 
 
+def test_host_budget_keeps_the_rest_on_the_gpu(gc_model, caplog):
+    """offload_max_host_bytes: the pool stops at the budget (two layers' slots here), the other inputs stay where
+    they are, said once; the step is the plain step, exactly."""
+    ref = step(gc_model)
+    one = slot_bytes(96 * 64 * 4)  # one layer input: 96 tokens x 64 wide, fp32
+    oc = OffloadedCheckpointing(mode=True, max_host_bytes=2 * one)
+    oc.attach(gc_model)
+    with caplog.at_level(logging.WARNING, logger="nbkit.speedups.offload"):
+        for _ in range(2):
+            assert_same(ref, step(gc_model))
+    assert oc.stats.host_bytes == 2 * one and oc.stats.packs == 2 * 2
+    assert oc.stats.host_short == 2 * (LAYERS - 2)
+    assert sum("offload_max_host_bytes" in r.getMessage() for r in caplog.records) == 1
+    oc.detach()
+    with pytest.raises(ValueError, match="offload_max_host_bytes"):
+        OffloadedCheckpointing(mode=True, max_host_bytes=0)
+
+
+def test_the_host_budget_switch_reaches_the_speedup(tmp_path):
+    from nbkit import FastSFTConfig
+    from nbkit.speedups import build
+
+    args = FastSFTConfig(output_dir=str(tmp_path), bf16=False, gradient_checkpointing=True,
+                         offload_max_host_bytes=8 << 30)
+    (offload,) = [s for s in build("train", args, packed_batches=True) if isinstance(s, OffloadedCheckpointing)]
+    assert offload.max_host_bytes == 8 << 30
+
+
 # ----------------------------------------------------------------------------- a hand-made stack (no transformers)
 
 

@@ -81,7 +81,8 @@ def _offload(args: Any, packed_batches: bool) -> Optional[Speedup]:
     from .offload import OffloadedCheckpointing
 
     return OffloadedCheckpointing(mode=mode, double_buffer=switch(args, "offload_double_buffer"),
-                                  min_bytes=switch(args, "offload_min_bytes"))
+                                  min_bytes=switch(args, "offload_min_bytes"),
+                                  max_host_bytes=switch(args, "offload_max_host_bytes"))
 
 
 SPEEDUPS: tuple[SpeedupSpec, ...] = (

@@ -180,10 +180,12 @@ class OffloadedCheckpointing:
 
     def __init__(
         self, mode: Mode = "auto", double_buffer: bool = True, min_bytes: int = 16 * _MiB, max_inflight: int = 2,
-        trace: int = 0,
+        trace: int = 0, max_host_bytes: Optional[int] = None,
     ) -> None:
         check_value("offload_checkpointing", mode)
+        check_value("offload_max_host_bytes", max_host_bytes)
         self.mode, self.double_buffer, self.min_bytes = mode, double_buffer, int(min_bytes)
+        self.max_host_bytes = max_host_bytes
         self.max_inflight = max(1, int(max_inflight))  # D2H copies the host may run ahead of before waiting
         self.stats = OffloadStats()
         self.trace: Optional[collections.deque] = collections.deque(maxlen=trace) if trace else None
