@@ -110,7 +110,7 @@ def test_auto_leaves_cpu_runs_plain(tmp_path, one_thread, monkeypatch):
     apply = tiled_op._TiledMLP.apply
     monkeypatch.setattr(tiled_op._TiledMLP, "apply", lambda *a: calls.append(1) or apply(*a))
     _, _, trainer = _train(tmp_path, "llama", "auto", True)
-    assert "tiled_mlp" in trainer.nbkit_attached and not calls
+    assert "tiled_mlp" not in trainer.nbkit_attached and not calls
 
 
 def test_auto_short_of_memory_tiles_and_trains_as_the_plain_mlp(tmp_path, one_thread, monkeypatch):
@@ -124,8 +124,8 @@ def test_auto_short_of_memory_tiles_and_trains_as_the_plain_mlp(tmp_path, one_th
     losses_plain, weights_plain, _ = _train(tmp_path, "llama", False, True)
     monkeypatch.setattr(tiled_speedup, "gpu_limit", lambda device: 1 << 20)
     monkeypatch.setattr(tiled_speedup, "gpu_in_use", lambda device: 1 << 19)
-    losses_auto, weights_auto, _ = _train(tmp_path, "llama", "auto", True)
-    assert calls
+    losses_auto, weights_auto, trainer = _train(tmp_path, "llama", "auto", True)
+    assert calls and "tiled_mlp" in trainer.nbkit_attached
     assert losses_auto == pytest.approx(losses_plain, rel=1e-5)
     for name, w in weights_plain.items():
         assert float((weights_auto[name] - w).abs().max() / w.abs().max().clamp_min(1e-12)) <= 1e-5, name

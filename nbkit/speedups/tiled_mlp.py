@@ -14,7 +14,8 @@ directly otherwise: short rows pay one comparison. MoE blocks and other MLPs kee
 ``auto`` (the default): a call is tiled only when its untiled MLP would crowd the GPU, judged per call from the
 allocator's counters (host-side, no sync): the MLP's working set, ~6 (tokens x intermediate) tensors, counts once it
 is 1/16 of the GPU's memory (the per-process fraction applied), and the call is tiled when the memory in use plus
-that working set would pass 90% of it. Rows that fit run the plain MLP at full speed; on a CPU nothing is tiled.
+that working set would pass 90% of it. Rows that fit run the plain MLP at full speed; off a CUDA GPU it does not
+attach.
 
 Contract: the same math as the plain MLP (it is the same forward, called on slices of the tokens); gradients of the
 MLP's trainable parameters (LoRA adapters, or the full weights) summed over tiles in fp32. Parity with the plain
@@ -112,6 +113,10 @@ class TiledMLP:
             return False
         intermediate = None
         if self.auto:
+            device = next((p.device for p in base.parameters()), torch.device("cpu"))
+            if gpu_limit(device) is None:
+                logger.info("nbkit: tiled_mlp='auto' stays off: the model is on %s, not a CUDA GPU", device.type)
+                return False
             intermediate = getattr(text, "intermediate_size", None) or 4 * (hidden or tile)
         for module in base.modules():
             if _is_dense_mlp(module) and not getattr(module.forward, "nbkit_tiled", False):
