@@ -129,3 +129,29 @@ def test_auto_short_of_memory_tiles_and_trains_as_the_plain_mlp(tmp_path, one_th
     assert losses_auto == pytest.approx(losses_plain, rel=1e-5)
     for name, w in weights_plain.items():
         assert float((weights_auto[name] - w).abs().max() / w.abs().max().clamp_min(1e-12)) <= 1e-5, name
+
+
+def test_auto_decides_once_per_shape_so_the_recompute_saves_what_the_forward_saved(tmp_path, one_thread,
+                                                                                  monkeypatch):
+    """Memory in use grows from the forward to the backward's recompute; had the recompute decided anew (tiled
+    there, plain in the forward), non-reentrant checkpointing would find other saved tensors and raise."""
+    from nbkit.speedups import tiled_mlp as tiled_speedup
+
+    calls, asked = [], []
+    apply = tiled_op._TiledMLP.apply
+    monkeypatch.setattr(tiled_op._TiledMLP, "apply", lambda *a: calls.append(1) or apply(*a))
+    monkeypatch.setattr(tiled_speedup, "gpu_limit", lambda device: 1 << 30)
+
+    def crowded_after_two(*args):  # the first two judgements (the layers' forwards) see room, the rest do not
+        asked.append(1)
+        return len(asked) > 2
+
+    monkeypatch.setattr(tiled_speedup, "needs_tiles", crowded_after_two)
+    losses_plain, weights_plain, _ = _train(tmp_path, "llama", False, True)
+    losses_auto, weights_auto, _ = _train(tmp_path, "llama", "auto", True)
+    # one decision per layer and input shape (2 layers; the 2 steps' packed rows may differ in length), never one per
+    # call (2 steps x 2 layers x forward and recompute): the recompute repeats the forward's choice
+    assert len(asked) in (2, 4)
+    assert losses_auto == pytest.approx(losses_plain, rel=1e-5)
+    for name, w in weights_plain.items():
+        assert float((weights_auto[name] - w).abs().max() / w.abs().max().clamp_min(1e-12)) <= 1e-5, name

@@ -14,8 +14,9 @@ directly otherwise: short rows pay one comparison. MoE blocks and other MLPs kee
 ``auto`` (the default): a call is tiled only when its untiled MLP would crowd the GPU, judged per call from the
 allocator's counters (host-side, no sync): the MLP's working set, ~6 (tokens x intermediate) tensors, counts once it
 is 1/16 of the GPU's memory (the per-process fraction applied), and the call is tiled when the memory in use plus
-that working set would pass 90% of it. Rows that fit run the plain MLP at full speed; off a CUDA GPU it does not
-attach.
+that working set would pass 90% of it. The decision is made once per input shape and kept: a checkpointed layer's
+recompute must save what its forward saved (non-reentrant checkpointing checks), whatever the memory then. Rows
+that fit run the plain MLP at full speed; off a CUDA GPU it does not attach.
 
 Contract: the same math as the plain MLP (it is the same forward, called on slices of the tokens); gradients of the
 MLP's trainable parameters (LoRA adapters, or the full weights) summed over tiles in fp32. Parity with the plain
@@ -68,14 +69,23 @@ def gpu_in_use(device: torch.device) -> int:
 
 def _tiled_forward(forward: Callable[[torch.Tensor], torch.Tensor], params: list[nn.Parameter],
                    tile_tokens: int, auto_intermediate: Optional[int] = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    decided: dict[tuple, bool] = {}  # auto: one decision per input shape, so a checkpoint's recompute repeats it
+
     def forward_in_tiles(x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 2 or x.shape[-2] <= tile_tokens:
             return forward(x)
         if auto_intermediate is not None:
-            limit = gpu_limit(x.device)
-            tokens = x.numel() // x.shape[-1]
-            if limit is None or not needs_tiles(tokens, auto_intermediate, x.element_size(), limit,
-                                                lambda: gpu_in_use(x.device)):
+            key = (tuple(x.shape), x.dtype, x.device)
+            if key not in decided:
+                if len(decided) > 256:
+                    decided.clear()
+                limit = gpu_limit(x.device)
+                tokens = x.numel() // x.shape[-1]
+                # in use now, plus what backward adds beside the MLP (the hidden states' gradients, ~4 of x)
+                decided[key] = limit is not None and needs_tiles(
+                    tokens, auto_intermediate, x.element_size(), limit,
+                    lambda: gpu_in_use(x.device) + 4 * x.numel() * x.element_size())
+            if not decided[key]:
                 return forward(x)
         trainable = [p for p in params if p.requires_grad]
         return tiled_mlp(forward, x, trainable, tile_tokens=tile_tokens)
