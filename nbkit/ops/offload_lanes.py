@@ -142,7 +142,7 @@ class _HostPool:
         if self.free:  # larger inputs than before: replace an idle slot instead of adding one
             self._free_memory(self.free.pop(self.free.index(max(self.free, key=torch.Tensor.numel))))
         owner = self.lane.owner
-        cap = getattr(owner, "max_host_bytes", None)
+        cap = owner.max_host_bytes
         if cap is not None and owner.stats.host_bytes + slot_bytes(nbytes) > cap:  # the user's host budget
             owner._say("host_cap", f"offload_max_host_bytes ({cap / _MiB:.0f} MiB) reached; remaining layer inputs "
                        "stay on the GPU")

@@ -113,11 +113,16 @@ def _varlen_kernel(q, k, v, run: PackedRun, call: AttnCall) -> torch.Tensor:
     return varlen_attn(q, k, v, run.cu_q, run.cu_k, run.max_q, run.max_k, **kwargs)
 
 
-def _sdpa_loop_kernel(q, k, v, run: PackedRun, call: AttnCall) -> torch.Tensor:
+def _expand_kv(q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """k/v repeated to q's heads (grouped-query attention): ``doc_attention`` takes one head count."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
+        return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return k, v
+
+
+def _sdpa_loop_kernel(q, k, v, run: PackedRun, call: AttnCall) -> torch.Tensor:
+    k, v = _expand_kv(q, k, v)
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (H, T, D)
     out = torch.empty_like(qh)
     offsets = run.host_offsets
@@ -128,10 +133,7 @@ def _sdpa_loop_kernel(q, k, v, run: PackedRun, call: AttnCall) -> torch.Tensor:
 
 
 def _sdpa_masked_kernel(q, k, v, run: PackedRun, call: AttnCall) -> torch.Tensor:
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
+    k, v = _expand_kv(q, k, v)
     allowed = run.dense_mask(call.window, q.device)
     out = doc_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), call, run.training, allowed)
     return out.transpose(0, 1)
