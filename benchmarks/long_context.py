@@ -513,7 +513,8 @@ def worker(workdir: str) -> int:
 
     # the searches, cheapest first
     done = {(r["path"], r["budget"]) for r in records if r.get("event") == "search_end"}
-    pending = [(spec, b) for b in budgets for spec in paths if (spec, b[0]) not in done]
+    searched = split_paths(args.search_paths) if args.search_paths else paths
+    pending = [(spec, b) for b in budgets for spec in paths if spec in searched and (spec, b[0]) not in done]
 
     def implied(spec: str, gib: Optional[float]) -> tuple[int, Optional[int]]:
         oks = [t["tokens"] for t in tries[spec] if t["outcome"] == "ok" and (t.get("budget_gib") or 0) < (gib or 0)]
@@ -588,7 +589,9 @@ def summarize(records: Sequence[dict], spec: str, budget: tuple[str, Optional[fl
         longest_implied_tokens=implied["tokens"] if implied else None,
         longest_implied_from=implied["budget"] if implied else None,
         first_failed_tokens=hi, failed_by=_failed_by(first),
-        stopped_by=end.get("stopped_by", "not finished (worker stopped)" if here else "not run"),
+        stopped_by=end.get("stopped_by") or ("not run" if not here else "not searched (timed only)"
+                                             if all(t["kind"] == "timing" for t in here)
+                                             else "not finished (worker stopped)"),
         resolution=end.get("resolution") or next((t["res"] for t in here if t.get("res")), None),
         tries=len(here), tries_s=sum(t.get("wall_s") or 0 for t in here), step_s=at("step_s"),
         tok_per_s=at("tok_per_s"), peak_gib=at("peak_gib"), reserved_gib=at("reserved_gib"),
@@ -735,6 +738,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=None, help="shrink the model (default: all layers)")
     parser.add_argument("--budgets", default="12,16,24,40,80", help="GPU memory budgets in GiB, comma separated")
     parser.add_argument("--paths", default=DEFAULT_PATHS)
+    parser.add_argument("--search-paths", default=None,
+                        help="the paths searched (default: all of --paths; the others are only timed)")
     parser.add_argument("--time-budget-s", type=float, default=480.0,
                         help="wall seconds for the whole run (model save and load included); default ~8 minutes")
     parser.add_argument("--tokens-per-s-at", type=int, default=None,
@@ -769,6 +774,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         sys.exit(worker(args.worker))
     if not (torch.cuda.is_available() or args.tiny):
         raise SystemExit("this benchmark needs a CUDA GPU (or --tiny for a CPU smoke run)")
+    if args.search_paths and not set(split_paths(args.search_paths)) <= set(split_paths(args.paths)):
+        raise SystemExit("--search-paths must be some of --paths")
     for spec in split_paths(args.paths):
         if parse_path(spec)[0] not in PATHS:
             raise SystemExit(f"unknown path {spec!r}: the paths are {', '.join(PATHS)} and fastsft[switch=value;...]")

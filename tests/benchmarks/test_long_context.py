@@ -246,3 +246,18 @@ def test_tiny_entry_brackets_the_fake_limit_and_writes_its_results(tmp_path, mon
     assert any(s.startswith("cached_packing") for s in fast["speedups"])
     timing = [t for t in tries if t["kind"] == "timing"]
     assert all(t["tokens"] == 128 and t["outcome"] == "ok" and len(t["step_s_all"]) == 4 for t in timing)
+
+
+def test_search_paths_times_the_others_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    argv = ["--tiny", "--paths", "sft,fastsft", "--search-paths", "fastsft", "--tiny-fake-limit", "300",
+            "--max-tries", "6"]
+    figures = lc.main(argv)["figures"]
+    tries = [r for r in figures if r["row"] == "try"]
+    assert [t["kind"] for t in tries if t["path"] == "sft"] == ["timing"]
+    assert [t["kind"] for t in tries if t["path"] == "fastsft"].count("search") == 5
+    summaries = {r["path"]: r for r in figures if r["row"] == "summary"}
+    assert summaries["sft"]["stopped_by"] == "not searched (timed only)" and summaries["sft"]["tries"] == 1
+    assert summaries["fastsft"]["stopped_by"] == "converged"
+    with pytest.raises(SystemExit, match="some of --paths"):
+        lc.main(["--tiny", "--paths", "sft", "--search-paths", "fastsft"])
