@@ -41,7 +41,7 @@ PARAMS = {
     "03_long_context": DEFAULTS,
     "04_moe_finetune": dict(TINY, max_steps=10, train_examples=200, eval_examples=4),
 }
-# 03 with the offload module blocked: only the plain path runs, on short lengths
+# 03 on short lengths (with the offload module blocked: FastSFT without it beside plain TRL)
 TINY_03 = dict(DEFAULTS, start_length=128, max_try_length=1024, steps_per_try=2, load_in_4bit=False)
 
 
@@ -416,9 +416,9 @@ def test_02_speed_lab(workdir):
 
 
 def test_03_long_context_with_its_defaults_stops_within_the_machine(workdir):
-    """With its defaults (a search limit of 262,144 tokens) on a CPU, the notebook finishes (its kernel is not killed
-    for host memory), never runs a try predicted to exceed the host memory it may take, and says where and why each
-    search stopped."""
+    """With its defaults (plain TRL and FastSFT, a search limit of 262,144 tokens) on a CPU, the notebook finishes (its
+    kernel is not killed for host memory), never runs a try predicted to exceed the host memory it may take, says
+    where and why each search stopped, and both trainers give the same loss and gradient norm at every length."""
     from nbkit.memory import host_memory
     from nbkit.notebook import feature
 
@@ -428,27 +428,29 @@ def test_03_long_context_with_its_defaults_stops_within_the_machine(workdir):
     assert r["offload_available"] == available
     if not available:  # the notebook must say what is missing, not pretend
         assert "NOT available" in text and message in text
-        assert list(r["tried"]) == ["False"]
-        return
-    assert r["missing"] == [] and r["offload_attached"]
+    assert r["paths"] == ["trl", "fastsft"] and r["memory_budget_bytes"] is None
+    assert any(name.startswith("cached_packing") for name in r["fastsft_attached"]), r["fastsft_attached"]
+    assert f"FastSFT attached: {', '.join(r['fastsft_attached'])}" in text
     _, total = host_memory()
     assert r["start_length"] == 1024 and r["max_step_seconds"] == 15 and r["host_fraction"] == 0.8
-    for mode in ("False", "True"):
-        tried = {int(k): v for k, v in r["tried"][mode].items()}
+    for path in ("trl", "fastsft"):
+        tried = {int(k): v for k, v in r["tried"][path].items()}
         lengths = sorted(tried)
         assert lengths[0] == 1024 and lengths == [1024 * 2**i for i in range(len(lengths))]  # doubling
-        assert all(row["fits"] for row in tried.values()) and r["first_oom"][mode] is None
-        assert r["longest_fit"][mode] == lengths[-1] < 262144
+        assert len(lengths) >= 2 and all(row["fits"] for row in tried.values()) and r["first_oom"][path] is None
+        assert r["longest_fit"][path] == lengths[-1] < 262144
+        assert all(row["tokens_per_second"] > 0 for row in tried.values())
         # stopped by a prediction, before a length it did not try, and says which bound and why
-        stopped = r["stopped"][mode]
+        stopped = r["stopped"][path]
         assert re.match(rf"{lengths[-1] * 2:,} not tried: a step at {lengths[-1] * 2:,} tokens would ", stopped), stopped
         assert ("host memory" in stopped) or ("max_step_seconds=15" in stopped), stopped
         assert f"the search stopped: {stopped}" in text
         # every try after the first was predicted before it ran; none measured more host memory than the machine has
         assert all(tried[n]["predicted"]["host_bytes"] is not None for n in lengths[1:])
         assert all(row["host_peak"] < total for row in tried.values())
-    assert r["max_relative_gap"] <= r["tolerance"] == 1e-4  # loss and gradient norm, offload on vs off
-    assert "CPU run: no VRAM limit to find" in text
+    assert r["max_relative_gap"] is not None and r["max_relative_gap"] <= r["tolerance"] == 1e-4
+    assert "same loss and gradient norm for both trainers: True" in text
+    assert "CPU run: no VRAM limit to find" in text and "| plain TRL |" in text and "| FastSFT |" in text
 
 
 def test_04_moe_finetune(workdir):
@@ -481,13 +483,19 @@ def test_04_moe_finetune(workdir):
 def test_03_says_what_is_missing_without_offload(workdir):
     nb, r = run("03_long_context", workdir, block=("nbkit.speedups.offload",), params=TINY_03)
     text = all_text(nb)
-    assert not r["offload_available"] and not r["offload_attached"]
+    assert not r["offload_available"] and r["switches"] == {"offload_checkpointing": False}
     assert r["missing"] == ["nbkit.speedups.offload cannot be imported (ImportError: No module named 'nbkit.speedups.offload')"]
     assert "offloaded checkpointing is NOT available" in text and r["missing"][0] in text
-    assert list(r["tried"]) == ["False"] and r["longest_fit"]["False"] == 1024  # the plain path is still measured
-    assert list(r["tried"]["False"]) == ["128", "256", "512", "1024"]  # doubling up to the limit
-    assert r["stopped"]["False"] == "reached the search limit, max_try_length=1,024"
-    assert r["max_relative_gap"] is None  # no comparison made up
+    assert "FastSFT runs without it" in text and "offload_checkpointing" not in r["fastsft_attached"]
+    for path in ("trl", "fastsft"):  # both trainers are still measured, up to the search limit
+        assert list(r["tried"][path]) == ["128", "256", "512", "1024"] and r["longest_fit"][path] == 1024
+        assert r["stopped"][path] == "reached the search limit, max_try_length=1,024"
+    assert r["max_relative_gap"] <= r["tolerance"] == 1e-4  # what exists is compared, nothing made up
+
+
+def test_03_refuses_a_path_it_does_not_know(workdir):
+    with pytest.raises(Exception, match="the paths are 'trl' and 'fastsft'"):
+        run("03_long_context", workdir, params=dict(TINY_03, paths=["trl", "unsloth"]))
 
 
 def test_04_says_what_is_missing_without_moe_routing(workdir):

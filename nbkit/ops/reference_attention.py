@@ -31,14 +31,15 @@ def doc_attention(q, k, v, call: AttnCall, training: bool, allowed: torch.Tensor
     """
     n = q.shape[1]
     plain = call.softcap is None and call.sinks is None
+    dropout = call.dropout if training else 0.0
+    # SDPA's fused kernels (flash, memory-efficient; CUDA and CPU) take 4-D inputs only: a 3-D call runs the math
+    # kernel, which materializes the (n, n) scores. Hence the batch dimension of one.
     if plain and allowed is not None:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, scale=call.scaling, dropout_p=call.dropout if training else 0.0
-        )
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed, scale=call.scaling,
+                                              dropout_p=dropout)[0]
     if plain and (call.window is None or call.window >= n):
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=call.scaling, dropout_p=call.dropout if training else 0.0
-        )
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=call.scaling,
+                                              dropout_p=dropout)[0]
     q, k = q.float(), k.float()  # this path exists for exactness: scores and softmax in fp32
     scores = torch.matmul(q, k.transpose(-1, -2)) * call.scaling
     if call.softcap is not None:
