@@ -14,11 +14,16 @@ Paths (``--paths``, comma separated):
 
 ``--profile NAME`` runs ``torch.profiler`` over two steps of that path and prints kernel time by category, by
 operator and by module (forward ranges per module type; backward by autograd node), and writes the trace to $OUT.
+``--host-profile NAME`` runs that path once more after the timed runs, its timed steps sampled by pyinstrument (an
+optional dependency), and prints where the host's time per step goes: by package (nbkit's modules one by one), the
+host's waits for the GPU (the step timer's synchronize among them: the share of the step the GPU was the bottleneck),
+and the top functions.
 
 Prediction for the 1.7B / 16K workload, FastSFT vs plain ``sft``: see BENCHMARKS.md (written before the run).
 
     python -m benchmarks.e2e --shape 1.7b --tokens 16384 --paths sft,fastsft
     python -m benchmarks.e2e --shape 1.7b --profile fastsft
+    python -m benchmarks.e2e --shape 1.7b --tokens 2048 --steps 10 --host-profile fastsft
     python -m benchmarks.e2e --tiny          # CPU smoke run (bf16 LoRA, no quantization)
 """
 
@@ -49,7 +54,7 @@ from .common import (
     timed_trainer,
     write_results,
 )
-from .profiling import Profiled, module_ranges, profile_tables
+from .profiling import HostProfiled, Profiled, host_tables, module_ranges, profile_tables
 
 SHAPES = {
     "1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
@@ -118,8 +123,9 @@ def _restore_base(trainer: Any) -> torch.nn.Module:
 
 # ------------------------------------------------------------------------------------------------------- the paths
 def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Namespace,
-             profile: bool) -> tuple[dict, torch.nn.Module, str]:
-    """One path's timed run on ``base`` (its own LoRA, unloaded afterwards): its row, the base back, its profile."""
+             profile: bool, host: bool = False) -> tuple[dict, torch.nn.Module, str]:
+    """One path's timed run on ``base`` (its own LoRA, unloaded afterwards): its row, the base back, its profile
+    (``profile``: the GPU's kernels; ``host``: the host's time, sampled)."""
     from peft import LoraConfig
     from trl import SFTConfig
 
@@ -145,7 +151,8 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
     base.set_attn_implementation("sdpa")
     peft_config = LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, lora_dropout=0.0, task_type="CAUSAL_LM")
     prof = Profiled(start=args.warmup) if profile else None
-    callbacks = [timer] + ([prof.callback] if prof else [])
+    sampler = HostProfiled(start=args.warmup, count=args.steps) if host else None
+    callbacks = [timer] + ([prof.callback] if prof else []) + ([sampler.callback] if sampler else [])
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -162,6 +169,8 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
     if timer.times.first_step_s is not None:  # from trainer construction: what a user waits for after loading
         row["first_step_s"] = timer._t0 - t0 + timer.times.first_step_s
     text = profile_tables(prof.prof, prof.count) if prof and prof.prof is not None else ""
+    if sampler is not None and sampler.session is not None:
+        text, row["host_ms_per_step"] = host_tables(sampler.session, sampler.count, row.get("step_ms"))
     if prof and prof.prof is not None and os.environ.get("OUT"):
         with contextlib.suppress(Exception):
             prof.prof.export_chrome_trace(os.path.join(os.environ["OUT"], f"trace_{name}.json"))
@@ -184,6 +193,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--paths", default="sft,fastsft")
     parser.add_argument("--profile", default=None, help="profile this path (one of --paths, or an extra one)")
+    parser.add_argument("--host-profile", default=None, help="run this path once more with its host side sampled")
     parser.add_argument("--no-4bit", action="store_true", help="bf16 LoRA instead of QLoRA")
     parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU: checks the script runs")
     args = parser.parse_args(argv)
@@ -206,12 +216,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         n_docs = 2 * (args.warmup + args.steps + 2) * tokens // mean_len
         dataset = packed_token_dataset(n_docs, SHAPES[shape]["vocab_size"], mean_len=mean_len, spread=mean_len // 4)
         run_rows = []
-        for spec in paths:
+        runs = [(spec, False) for spec in paths] + ([(args.host_profile, True)] if args.host_profile else [])
+        for spec, host in runs:
             try:
-                row, base, text = run_path(spec, base, dataset, args, profile=spec == args.profile)
+                row, base, text = run_path(spec, base, dataset, args, profile=spec == args.profile and not host,
+                                           host=host)
                 if text:
-                    print(f"\n### profile of {spec} ({shape}, {tokens} tokens)\n\n{text}\n", flush=True)
-                    row["profile"] = text
+                    kind = "host profile" if host else "profile"
+                    print(f"\n### {kind} of {spec} ({shape}, {tokens} tokens)\n\n{text}\n", flush=True)
+                    row["host_profile" if host else "profile"] = text
+                if host:
+                    row["path"] = f"{spec} (host-profiled)"
             except Exception as exc:
                 row = failed_row(spec, exc)
             run_rows.append(dict(row, shape=shape, tokens=tokens, weights=weights, load_s=load_s))

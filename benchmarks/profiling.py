@@ -119,3 +119,101 @@ def profile_tables(prof: Any, steps: int) -> str:
         lines.append(f"| `{e.key.replace('autograd::engine::evaluate_function: ', 'bwd:')[:80]}` | "
                      f"{tot(e) / 1000 / steps:,.1f} | {e.count / steps:,.0f} |")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the host side: where the Python time of a step goes
+
+
+class HostProfiled:
+    """Samples the host (the training thread's Python and the C calls it makes) over steps ``[start, start +
+    count)`` with pyinstrument: a TrainerCallback that owns the sampler. Optional dependency: ``pip install
+    pyinstrument``; a step's wall time under it is a few percent longer than without."""
+
+    def __init__(self, start: int, count: int = 5, interval: float = 0.001) -> None:
+        from pyinstrument import Profiler
+        from transformers import TrainerCallback
+
+        self.start, self.count, self.session = start, count, None
+        self.profiler = Profiler(interval=interval)
+        outer = self
+
+        class _CB(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                if state.global_step == outer.start and not outer.profiler.is_running:
+                    outer.profiler.start()
+
+            def on_step_end(self, args, state, control, **kw):
+                if outer.profiler.is_running and state.global_step == outer.start + outer.count:
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
+                    outer.session = outer.profiler.stop()
+
+        self.callback = _CB()
+
+
+# the host waiting for the GPU: calls that block until queued kernels finish
+SYNC_CALLS = {"item", "tolist", "_local_scalar_dense", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__",
+              "_cuda_synchronize", "synchronize"}
+_SITE = re.compile(r"(?:site|dist)-packages/([^/]+)/(.*)$")
+
+
+def host_owner(file_path: str) -> str:
+    """Who a Python frame belongs to: a package (torch split into its parts that matter for a step), nbkit's
+    module, or the standard library."""
+    path = file_path.replace("\\", "/")
+    m = _SITE.search(path)
+    if m is None or m.group(1) == "nbkit":
+        if "/nbkit/" in path or path.startswith("nbkit/"):
+            tail = path.rsplit("nbkit/", 1)[1]
+            return "nbkit." + tail.removesuffix(".py").replace("/", ".").split(".__init__")[0]
+        if "/benchmarks/" in path or path.startswith("benchmarks/"):
+            return "benchmarks (the timer)"
+        return "python"
+    pkg, rest = m.group(1), m.group(2)
+    if pkg == "torch":
+        for prefix, name in (("optim/", "torch.optim"), ("autograd/", "torch.autograd"),
+                             ("utils/checkpoint", "torch checkpoint"), ("nn/", "torch.nn"), ("cuda/", "torch.cuda"),
+                             ("utils/data", "torch data loading"), ("amp/", "torch.amp")):
+            if rest.startswith(prefix):
+                return name
+        return "torch (other)"
+    return pkg.split(".")[0]
+
+
+def host_tables(session: Any, steps: int, step_ms: float | None = None) -> tuple[str, dict[str, float]]:
+    """Host time per step by owner, the host's waits for the GPU, and the top functions by self time.
+
+    Each sample's time goes to the innermost Python frame's owner (a C call's time to the Python code that made
+    it), except the calls that block on the GPU (``SYNC_CALLS``), which count as waiting. Returns the markdown
+    and {owner: ms per step}."""
+    owners: dict[str, float] = defaultdict(float)
+    funcs: dict[str, float] = defaultdict(float)
+
+    def walk(frame: Any, owner: str, where: str, waiting: bool) -> None:
+        builtin = frame.file_path in ("<built-in>", None) or str(frame.file_path).startswith("<")
+        if frame.is_synthetic:
+            pass
+        elif builtin:
+            waiting = waiting or frame.function in SYNC_CALLS
+        else:
+            owner = host_owner(frame.file_path)
+            waiting = waiting or frame.function == "synchronize"  # torch.cuda.synchronize, Event/Stream.synchronize
+            where = f"{owner}: {frame.function} ({frame.file_path_short.rsplit('/', 1)[-1]}:{frame.line_no})"
+        if not frame.children:
+            t = frame.time * 1000 / steps
+            owners["waiting for the GPU (a sync)" if waiting else owner] += t
+            if not waiting:
+                funcs[where] += t
+        for child in frame.children:
+            walk(child, owner, where, waiting)
+
+    walk(session.root_frame(), "python", "python", False)
+    total = sum(owners.values())
+    base = step_ms or total
+    lines = [f"host time sampled per step: {total:,.1f} ms" + (f" (step wall {step_ms:,.1f} ms)" if step_ms else ""),
+             "", "| owner | ms/step | share of the step |", "|---|---|---|"]
+    lines += [f"| {o} | {t:,.2f} | {t / max(base, 1e-9):.1%} |" for o, t in sorted(owners.items(), key=lambda x: -x[1])]
+    lines += ["", "| top functions (self time, C calls included) | ms/step |", "|---|---|"]
+    lines += [f"| `{f[:110]}` | {t:,.2f} |" for f, t in sorted(funcs.items(), key=lambda x: -x[1])[:30]]
+    return "\n".join(lines), dict(owners)

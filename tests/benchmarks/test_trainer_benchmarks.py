@@ -45,3 +45,37 @@ def test_packing_tiny_runs_sdpa_and_nbkit_to_the_same_first_loss(tmp_path, monke
     # packing alone: the ratio is that speedup's own
     assert [s.split("(")[0] for s in nbkit["speedups"]] == ["cached_packing"] and not sdpa["speedups"]
     _check_written(tmp_path / "packing.json", "packing", argv, rows)
+
+
+def test_e2e_host_profile_reruns_the_path_and_says_where_the_host_time_goes(tmp_path, monkeypatch):
+    pytest.importorskip("pyinstrument")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    argv = ["--tiny", "--paths", "sft", "--tokens", "256", "--steps", "3", "--warmup", "1",
+            "--host-profile", "fastsft"]
+    rows = e2e.main(argv)
+    assert [r["path"] for r in rows] == ["sft", "fastsft (host-profiled)"], rows
+    sft, fast = rows
+    assert "host_profile" not in sft and fast["loss_first"] == pytest.approx(sft["loss_first"], rel=1e-4)
+    owners = fast["host_ms_per_step"]
+    # the sampled time is the step's (it runs on the training thread), split among its owners
+    assert sum(owners.values()) == pytest.approx(fast["step_ms"], rel=0.5)
+    assert owners["torch.autograd"] > 0 and any(o.startswith("nbkit.") for o in owners), owners
+    assert "| owner | ms/step | share of the step |" in fast["host_profile"]
+    assert "top functions" in fast["host_profile"]
+
+
+@pytest.mark.parametrize("path, owner", [
+    ("/x/site-packages/torch/optim/adamw.py", "torch.optim"),
+    ("/x/site-packages/torch/utils/checkpoint.py", "torch checkpoint"),
+    ("/x/site-packages/torch/_tensor.py", "torch (other)"),
+    ("/x/dist-packages/trl/trainer/sft_trainer.py", "trl"),
+    ("/x/site-packages/bitsandbytes/autograd/_functions.py", "bitsandbytes"),
+    ("/repo/nbkit/ops/lora_linear.py", "nbkit.ops.lora_linear"),
+    ("/repo/nbkit/speedups/__init__.py", "nbkit.speedups"),
+    ("/venv/site-packages/nbkit/sync_free_loss.py", "nbkit.sync_free_loss"),
+    ("/usr/lib/python3.11/threading.py", "python"),
+])
+def test_host_owner_names_the_package_or_nbkit_module(path, owner):
+    from benchmarks.profiling import host_owner
+
+    assert host_owner(path) == owner
