@@ -30,6 +30,7 @@ from .config import switch as _switch
 from .reliability.trainer_mixin import ReliableTraining
 from .speedups.ledger import Speedup
 from .speedups.packed_attention import PackedCollator
+from .step_flops import CachedFlops
 from .sync_free_loss import SyncFreeLoss
 
 logger = logging.getLogger(__name__)
@@ -55,14 +56,15 @@ class _TrainStageSpeedups(TrainerCallback):
         self.attached, self.pending = [], []
 
 
-class FastSFT(ReliableTraining, SyncFreeLoss, SFTTrainer):
+class FastSFT(ReliableTraining, SyncFreeLoss, CachedFlops, SFTTrainer):
     """A drop-in ``SFTTrainer`` (same arguments) that trains faster with the same losses.
 
     Speedups (each a switch in ``FastSFTConfig``): cached packed-sequence metadata with varlen attention
     (``cached_packing``), offloaded double-buffered checkpointing (``offload_checkpointing``), fast MoE routing
     (``fast_moe_routing``), fused LoRA layers (``fused_lora``), Liger's fused RMSNorm/SwiGLU/RoPE kernels
     (``fused_kernels``), the MLP tiled over the sequence (``tiled_mlp``), TRL's step metrics read at logging time,
-    not after every forward (``sync_free_metrics``), and a live notebook dashboard (``live_dashboard``).
+    not after every forward (``sync_free_metrics``), and a live notebook dashboard (``live_dashboard``). The FLOPs
+    estimate transformers logs takes the model's parameter count once per run (``nbkit.step_flops``).
 
     Reliability (``ReliableTraining``, ``nbkit.reliability``): inputs are checked before TRL prepares them
     (``validate_inputs``); an out-of-memory step raises ``TrainingOutOfMemoryError`` naming the step, the memory and
