@@ -127,6 +127,7 @@ from .e2e import SHAPES as E2E_SHAPES
 from .long_context_search import (
     MAX_POSITIONS,
     bracket,
+    budget_dependent,
     crash_record,
     eta_s,
     expected_cost,
@@ -536,7 +537,7 @@ def worker(workdir: str) -> int:
         prior = prior_line(shape, spec)
         here = [t for t in tries[spec] if t["budget"] == label]
         lo_i, hi_i = implied(spec, gib)
-        line = [t for t in tries[spec] if t["outcome"] == "ok" and t.get("peak_gib")]
+        line = [t for t in (here if budget_dependent(spec) else tries[spec]) if t["outcome"] == "ok" and t.get("peak_gib")]
         pred = predict_max(line, cap, prior)
         res = next((t["res"] for t in here if t.get("res")), None) or resolution(
             pred if pred and pred > 0 else max(lo_i, args.start_tokens), args.min_resolution)
@@ -551,7 +552,7 @@ def worker(workdir: str) -> int:
             lambda t, spec=spec, budget=budget, res=res: one(spec, budget, t, "search", res=res),
             tries[spec], label, cap, prior=prior, res=res, deadline=deadline, clock=time.time, eta=eta_for(spec),
             implied_lo=lo_i, implied_hi=hi_i, host_limit=host_limit, max_tokens=args.max_tokens,
-            start_tokens=args.start_tokens, max_tries=args.max_tries)
+            start_tokens=args.start_tokens, max_tries=args.max_tries, same_budget_line=budget_dependent(spec))
         if stop == "restart":
             return RESTART_RC
         line = [t for t in tries[spec] if t["outcome"] == "ok" and t.get("peak_gib")]

@@ -44,6 +44,13 @@ def prior_line(shape: str, spec: str) -> Optional[tuple[int, float, float]]:
     return None if fixed is None else (0, fixed, mib * MiB / GiB)
 
 
+def budget_dependent(spec: str) -> bool:
+    """Whether a path's memory per token depends on the budget: FastSFT with ``tiled_mlp="auto"`` (the default)
+    tiles only near the limit."""
+    name, over = parse_path(spec)
+    return name == "fastsft" and over.get("tiled_mlp", "auto") == "auto"
+
+
 def offloaded(spec: str, cuda: bool) -> bool:
     """Whether a path keeps its checkpointed layer inputs in host memory (nbkit's pool), so host RAM caps it."""
     name, over = parse_path(spec)
@@ -133,12 +140,15 @@ def run_search(run_one: Callable[[int], dict], tries: list[dict], budget: str, c
                prior: Optional[tuple], res: int, deadline: float, clock: Callable[[], float],
                eta: Callable[[int], Optional[float]], implied_lo: int = 0, implied_hi: Optional[int] = None,
                host_limit: Callable[[], Optional[int]] = lambda: None, max_tokens: int = MAX_POSITIONS,
-               start_tokens: int = 8192, max_tries: int = 10) -> str:
+               start_tokens: int = 8192, max_tries: int = 10, same_budget_line: bool = False) -> str:
     """One (path, budget) search: runs ``run_one(tokens)`` (a try record with ``tokens``, ``budget``, ``outcome``,
-    ``peak_gib``, ``host_short``), appended to ``tries`` (this path's, all budgets), until it stops; returns why."""
+    ``peak_gib``, ``host_short``), appended to ``tries`` (this path's, all budgets), until it stops; returns why.
+
+    ``same_budget_line``: the peak line through this budget's fits only (a path whose memory use depends on the
+    budget, as ``tiled_mlp="auto"``'s does: a fit far below another budget's limit sits on the untiled line)."""
     while True:
         here = [t for t in tries if t["budget"] == budget]
-        line = [t for t in tries if t["outcome"] == "ok" and t.get("peak_gib")]
+        line = [t for t in (here if same_budget_line else tries) if t["outcome"] == "ok" and t.get("peak_gib")]
         t, stop = next_length(here, line, cap_gib, prior, res, implied_lo=implied_lo, implied_hi=implied_hi,
                               host_limit=host_limit(), max_tokens=max_tokens, start_tokens=start_tokens)
         if t is None:

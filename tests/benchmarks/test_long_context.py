@@ -261,3 +261,28 @@ def test_search_paths_times_the_others_only(tmp_path, monkeypatch):
     assert summaries["fastsft"]["stopped_by"] == "converged"
     with pytest.raises(SystemExit, match="some of --paths"):
         lc.main(["--tiny", "--paths", "sft", "--search-paths", "fastsft"])
+
+
+def test_a_budget_dependent_path_draws_its_line_through_this_budgets_fits():
+    """tiled_mlp='auto' tiles near the limit only: a fit far below another budget's limit (here 32K at 24 GiB, on
+    the untiled line) and this budget's tiled fits do not lie on one line; drawn through both, the line predicts a
+    limit far too long (as the first run with 'auto' did: 135K tried where 86K was the limit)."""
+    cap = 16 * 0.97
+    tiled = lambda t: 6.0 + t * 0.11 * MiB / GiB
+    limit = int((cap - 6.0) * GiB / (0.11 * MiB))
+    other = dict(event="try", kind="timing", path="p", budget="24 GiB", budget_gib=24.0, tokens=32_768,
+                 outcome="ok", peak_gib=11.9, host_short=0, step_s=6.4, wall_s=25.0)
+    assert lcs.budget_dependent("fastsft") and lcs.budget_dependent("fastsft[offload_max_host_bytes=8]")
+    assert not lcs.budget_dependent("fastsft[tiled_mlp=True]") and not lcs.budget_dependent("sft")
+    res = lcs.resolution(limit, 1024)
+    runs = {}
+    for same in (False, True):
+        tries = [dict(other)]
+        stop = lcs.run_search(fake_runner("16 GiB", lambda t: t <= limit, tiled), tries, "16 GiB", cap,
+                              prior=lcs.prior_line("8b", "fastsft"), res=res, deadline=float("inf"),
+                              clock=lambda: 0.0, eta=lambda t: None, start_tokens=65_536, same_budget_line=same)
+        assert stop == "converged"
+        runs[same] = [t for t in tries if t["budget"] == "16 GiB"]
+        check_bracket(runs[same], limit, res)
+    assert len(runs[True]) <= 3 < len(runs[False])
+    assert max(t["tokens"] for t in runs[True]) < 1.2 * limit
