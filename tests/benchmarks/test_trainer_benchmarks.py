@@ -79,3 +79,17 @@ def test_host_owner_names_the_package_or_nbkit_module(path, owner):
     from benchmarks.profiling import host_owner
 
     assert host_owner(path) == owner
+
+
+def test_moe_rounding_measures_every_path_against_float64(tmp_path, monkeypatch):
+    from benchmarks import moe_rounding
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    rows = moe_rounding.main(["--families", "mixtral", "--dtype", "fp32,bf16", "--batches", "4"])
+    assert [(r["dtype"], r["path"]) for r in rows] == [(d, p) for d in ("float32", "bfloat16")
+                                                      for p in ("grouped_mm", "eager", "nbkit")]
+    assert not [r for r in rows if "error" in r], rows
+    # float32 is float64 to rounding for every path (a wrong expert path would be far off); bf16 is not
+    assert all(r["logits_rel"] < 1e-5 and r["grads_rel"] < 1e-5 for r in rows if r["dtype"] == "float32"), rows
+    assert all(1e-4 < r["logits_rel"] < 0.5 for r in rows if r["dtype"] == "bfloat16"), rows
+    assert json.loads((tmp_path / "moe_rounding.json").read_text())["benchmark"] == "moe_rounding"
