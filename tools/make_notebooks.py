@@ -728,7 +728,7 @@ NB03 = [
         total = torch.cuda.get_device_properties(0).total_memory
         if memory_budget_gib is not None:
             budget = min(int(memory_budget_gib * 2**30), total)
-            torch.cuda.set_per_process_memory_fraction(budget / total)
+        torch.cuda.set_per_process_memory_fraction(budget / total if budget else 1.0)  # a rerun lifts an old cap
         print(f"GPU memory: {fmt_bytes(budget or total)}" + (f" (capped, of {fmt_bytes(total)})" if budget else ""))
     elif memory_budget_gib is not None:
         print("memory_budget_gib is ignored without a CUDA GPU")
