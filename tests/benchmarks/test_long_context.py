@@ -286,3 +286,9 @@ def test_a_budget_dependent_path_draws_its_line_through_this_budgets_fits():
         check_bracket(runs[same], limit, res)
     assert len(runs[True]) <= 3 < len(runs[False])
     assert max(t["tokens"] for t in runs[True]) < 1.2 * limit
+
+
+def test_a_measured_line_replaces_the_predicted_prior():
+    assert lcs.prior_line("8b", "fastsft") == (0, 6.0, 0.11 * MiB / GiB)  # run 2's line
+    assert lcs.prior_line("8b", "sft") == (0, 6.5, 0.58 * MiB / GiB)  # still the prediction
+    assert lcs.prior_line("14b", "fastsft") == (0, 10.9, 0.2 * MiB / GiB) and lcs.prior_line("tiny", "sft") is None
