@@ -41,7 +41,8 @@ Method:
   pinned pool is included), peak GPU allocated and reserved, peak host RSS, nbkit's pinned offload pool, torch's
   pinned-allocator peak, host RAM in use, loss.
 - The search, per (path, budget): a line of peak GPU allocated against L through this path's two longest fits (any
-  budget; before there are two, the prior slope below) predicts where the peak reaches ``--fill`` x budget
+  budget; this budget's only for FastSFT's default, whose ``tiled_mlp="auto"`` tiles near the limit only; before
+  there are two, the prior slope below, or the line run 2 measured) predicts where the peak reaches ``--fill`` x budget
   (``offload_longest.predict_max``); ``offload_longest.next_try`` picks the next length (just past the predicted
   limit, then just under it; model-guided bisection inside (longest fit, first failure) on a grid of the largest
   power of two <= 1/16 of the expected limit, at least ``--min-resolution`` tokens), capped by host RAM for offloaded
