@@ -6,7 +6,7 @@ and parameter of the model each time (thousands of tensors for a QLoRA model) fo
 while training: host time in every step of a short, host-bound row.
 
 Contract: the same value as transformers' (``state.total_flos`` equal); the count is taken once per ``train()``
-call and model object, so adapters added between two runs are counted.
+call, so adapters added between two runs are counted.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 class CachedFlops:
     """Trainer mixin: ``floating_point_ops`` with the parameter count taken once per run."""
 
-    _nbkit_param_count: tuple[int, int] | None = None  # (id of the model, its count)
+    _nbkit_param_count: int | None = None
 
     def train(self, *args: Any, **kwargs: Any):
         self._nbkit_param_count = None
@@ -28,6 +28,6 @@ class CachedFlops:
         main = getattr(model, "main_input_name", "input_ids")
         if main not in inputs or not hasattr(model, "num_parameters"):
             return super().floating_point_ops(inputs)
-        if self._nbkit_param_count is None or self._nbkit_param_count[0] != id(model):
-            self._nbkit_param_count = (id(model), model.num_parameters(exclude_embeddings=True))
-        return 6 * inputs[main].numel() * self._nbkit_param_count[1]
+        if self._nbkit_param_count is None:
+            self._nbkit_param_count = model.num_parameters(exclude_embeddings=True)
+        return 6 * inputs[main].numel() * self._nbkit_param_count
