@@ -79,19 +79,28 @@ class StepTimes:
 
 
 class StepTimer(TrainerCallback):
-    """CUDA-event step timer; the trainer mixin below adds the forward/backward split."""
+    """CUDA-event step timer, one entry per optimizer step. The host waits for the GPU once per step, at its end (as
+    a trainer logging every step does); the forward/backward events of ``TimedStepMixin``'s micro-steps are read
+    there too, so timing adds no sync inside a step (gradient accumulation included) and entries are summed over
+    the step's micro-steps."""
 
     def __init__(self) -> None:
         self.times = StepTimes()
         self._begin = None
         self._t0 = None
+        self._micro: list[tuple[Any, Any, Any, int, float]] = []
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._t0 = time.perf_counter()
 
     def on_step_begin(self, args, state, control, **kwargs):
+        self._micro = []
         self._begin = event()
         self._begin.record()
+
+    def micro_step(self, start: Any, fwd_end: Any, end: Any, tokens: int, host_ms: float) -> None:
+        """One micro-step's events (read at the step's end) and what the host measured of it."""
+        self._micro.append((start, fwd_end, end, tokens, host_ms))
 
     def on_step_end(self, args, state, control, **kwargs):
         end = event()
@@ -100,6 +109,13 @@ class StepTimer(TrainerCallback):
         if self.times.first_step_s is None:
             self.times.first_step_s = time.perf_counter() - self._t0
         self.times.step_ms.append(self._begin.elapsed_time(end))
+        if self._micro:
+            t = self.times
+            t.fwd_ms.append(sum(a.elapsed_time(f) for a, f, _, _, _ in self._micro))
+            t.bwd_ms.append(sum(f.elapsed_time(b) for _, f, b, _, _ in self._micro))
+            t.tokens.append(sum(m[3] for m in self._micro))
+            t.host_ms.append(sum(m[4] for m in self._micro))
+        self._micro = []
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
@@ -107,23 +123,19 @@ class StepTimer(TrainerCallback):
 
 
 class TimedStepMixin:
-    """Mix into a Trainer subclass: records forward/backward CUDA events and the tokens of each step."""
+    """Mix into a Trainer subclass: records each micro-step's forward/backward CUDA events and tokens for
+    ``step_timer`` (no sync here: the timer reads them at the step's end)."""
 
     step_timer: StepTimer
 
     def training_step(self, model, inputs, *args, **kwargs):
-        start = event()
-        self._nbkit_fwd_end = event()
-        end = event()
-        self.step_timer.times.tokens.append(int(inputs["input_ids"].numel()))
+        start, self._nbkit_fwd_end, end = event(), event(), event()
         t0 = time.perf_counter()
         start.record()
         out = super().training_step(model, inputs, *args, **kwargs)
         end.record()
-        self.step_timer.times.host_ms.append((time.perf_counter() - t0) * 1000.0)
-        end.synchronize()
-        self.step_timer.times.fwd_ms.append(start.elapsed_time(self._nbkit_fwd_end))
-        self.step_timer.times.bwd_ms.append(self._nbkit_fwd_end.elapsed_time(end))
+        self.step_timer.micro_step(start, self._nbkit_fwd_end, end, int(inputs["input_ids"].numel()),
+                                   (time.perf_counter() - t0) * 1000.0)
         return out
 
     def compute_loss(self, *args, **kwargs):

@@ -4,7 +4,11 @@ Workload (issue 8): a Qwen3-1.7B- or Qwen3-14B-shaped model with random weights,
 loads one (``from_pretrained`` with bitsandbytes NF4, double quant, bf16 compute), LoRA r=16 (alpha 32) on all 7
 projections, ``packing=True`` with one packed row of 4K or 16K tokens per step from ~400-token documents, gradient
 checkpointing on. The base model is loaded once; each path wraps it with its own LoRA (same seed, so the same
-initial adapters) and unloads it afterwards.
+initial adapters) and unloads it afterwards. ``--recipe notebook`` runs the common notebook recipe instead (issue
+15): ``per_device_train_batch_size=2``, ``gradient_accumulation_steps=4``, padding-free without packing, one
+document per row of 256 to ``--tokens`` - 256 tokens (cut as a user's ``max_length`` would; TRL refuses
+``max_length`` there), LoRA r=32 (alpha 32). The step timer syncs once per optimizer step (as a trainer logging
+every step does), not per micro-step, and its entries are whole optimizer steps.
 
 Paths (``--paths``, comma separated):
 - ``sft``: TRL ``SFTTrainer`` with transformers' default attention (sdpa), what a TRL user gets without flash-attn.
@@ -24,6 +28,7 @@ Prediction for the 1.7B / 16K workload, FastSFT vs plain ``sft``: see BENCHMARKS
     python -m benchmarks.e2e --shape 1.7b --tokens 16384 --paths sft,fastsft
     python -m benchmarks.e2e --shape 1.7b --profile fastsft
     python -m benchmarks.e2e --shape 1.7b --tokens 2048 --steps 10 --host-profile fastsft
+    python -m benchmarks.e2e --shape 1.7b --recipe notebook --tokens 2048 --steps 10
     python -m benchmarks.e2e --tiny          # CPU smoke run (bf16 LoRA, no quantization)
 """
 
@@ -133,12 +138,16 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
 
     name, overrides = parse_path(spec)
     tiny = args.tiny
+    notebook = args.recipe == "notebook"
     common = dict(
         output_dir=f"/tmp/nbkit-e2e-{name}", max_steps=args.warmup + args.steps, per_device_train_batch_size=1,
         packing=True, max_length=args.tokens, bf16=not tiny, use_cpu=tiny, gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": False}, learning_rate=1e-4, logging_steps=1, report_to=[],
         save_strategy="no", dataloader_num_workers=0, seed=0, disable_tqdm=True,
     )
+    if notebook:  # the data are cut to --tokens already: TRL refuses max_length with padding-free, unpacked rows
+        common.update(per_device_train_batch_size=2, gradient_accumulation_steps=4, packing=False, padding_free=True,
+                      max_length=None)
     if name == "sft_liger":
         common["use_liger_kernel"] = True
     timer = StepTimer()
@@ -149,7 +158,9 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
         cls = timed_trainer(fast=False)
         config = SFTConfig(**common, **overrides)
     base.set_attn_implementation("sdpa")
-    peft_config = LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, lora_dropout=0.0, task_type="CAUSAL_LM")
+    rank, alpha = (32, 32) if notebook else (16, 32)
+    peft_config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=LORA_TARGETS, lora_dropout=0.0,
+                             task_type="CAUSAL_LM")
     prof = Profiled(start=args.warmup) if profile else None
     sampler = HostProfiled(start=args.warmup, count=args.steps) if host else None
     callbacks = [timer] + ([prof.callback] if prof else []) + ([sampler.callback] if sampler else [])
@@ -194,6 +205,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--paths", default="sft,fastsft")
     parser.add_argument("--profile", default=None, help="profile this path (one of --paths, or an extra one)")
     parser.add_argument("--host-profile", default=None, help="run this path once more with its host side sampled")
+    parser.add_argument("--recipe", default="packed", choices=["packed", "notebook"],
+                        help="packed: one packed row of --tokens per step, batch 1, LoRA r16; notebook: the common "
+                             "notebook recipe, batch 2 x 4 accumulation steps, padding-free without packing, "
+                             "documents of 256 to --tokens - 256 tokens, LoRA r32")
     parser.add_argument("--no-4bit", action="store_true", help="bf16 LoRA instead of QLoRA")
     parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU: checks the script runs")
     args = parser.parse_args(argv)
@@ -212,9 +227,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows: list[dict] = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         args.tokens = tokens
-        mean_len = 40 if args.tiny else 400
-        n_docs = 2 * (args.warmup + args.steps + 2) * tokens // mean_len
-        dataset = packed_token_dataset(n_docs, SHAPES[shape]["vocab_size"], mean_len=mean_len, spread=mean_len // 4)
+        if args.recipe == "notebook":  # one document per row, cut to the row length as a user's max_length would
+            mean_len = tokens // 2
+            n_docs = 8 * (args.warmup + args.steps + 2)
+            spread = mean_len - min(256, mean_len // 4)
+        else:
+            mean_len = 40 if args.tiny else 400
+            n_docs = 2 * (args.warmup + args.steps + 2) * tokens // mean_len
+            spread = mean_len // 4
+        dataset = packed_token_dataset(n_docs, SHAPES[shape]["vocab_size"], mean_len=mean_len, spread=spread)
         run_rows = []
         runs = [(spec, False) for spec in paths] + ([(args.host_profile, True)] if args.host_profile else [])
         for spec, host in runs:
@@ -229,14 +250,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     row["path"] = f"{spec} (host-profiled)"
             except Exception as exc:
                 row = failed_row(spec, exc)
-            run_rows.append(dict(row, shape=shape, tokens=tokens, weights=weights, load_s=load_s))
+            run_rows.append(dict(row, shape=shape, tokens=tokens, weights=weights, load_s=load_s, recipe=args.recipe))
             print({k: v for k, v in run_rows[-1].items() if not isinstance(v, list) and k != "profile"}, flush=True)
         rows += run_rows
         table = markdown_table(run_rows, baseline="sft" if "sft" in paths else None)
-        print(f"\n{shape}, {tokens} tokens/step, {'QLoRA nf4' if quantize else 'LoRA ' + weights}\n{table}\n",
+        what = f"{tokens} tokens/step" if args.recipe == "packed" else f"notebook recipe, rows <= {tokens} tokens"
+        print(f"\n{shape}, {what}, {'QLoRA nf4' if quantize else 'LoRA ' + weights}\n{table}\n",
               flush=True)
         # after each row length, so a run cut short keeps the lengths it finished
-        write_results("e2e", rows, argv=argv, name=f"e2e_{shape}", notes="CPU smoke run (--tiny)" if args.tiny else "")
+        write_results("e2e", rows, argv=argv, name=f"e2e_{shape}" + ("_notebook" if args.recipe == "notebook" else ""),
+                      notes="CPU smoke run (--tiny)" if args.tiny else "")
     return rows
 
 

@@ -43,12 +43,25 @@ def prior_key(spec: str) -> str:
 MEASURED: dict[str, dict[str, tuple[float, float]]] = {"8b": {"fastsft_tiled": (6.0, 0.11)}}
 
 
+# Bytes of checkpointed layer inputs per token (layers x hidden x 2 B in bf16): what a capped offload pool holds.
+INPUT_BYTES_PER_TOKEN = {"8b": 32 * 4096 * 2, "14b": 40 * 5120 * 2}
+
+
 def prior_line(shape: str, spec: str) -> Optional[tuple[int, float, float]]:
     """``predict_max``'s prior, (tokens, peak GiB, GiB per token): a measured line (``MEASURED``) where there is one,
-    else the prediction's (``PRIORS``); None for shapes without one."""
+    else the prediction's (``PRIORS``); None for shapes without one. With ``offload_max_host_bytes`` the pool fills
+    at cap / (input bytes per token) tokens and past it every layer input stays on the GPU: the line starts there,
+    steeper by those bytes."""
     key = prior_key(spec)
     fixed, mib = MEASURED.get(shape, {}).get(key) or PRIORS.get(shape, {}).get(key, (None, None))
-    return None if fixed is None else (0, fixed, mib * MiB / GiB)
+    if fixed is None:
+        return None
+    slope = mib * MiB / GiB
+    cap = parse_path(spec)[1].get("offload_max_host_bytes")
+    if cap is None or key.endswith("_no_offload") or shape not in INPUT_BYTES_PER_TOKEN:
+        return (0, fixed, slope)
+    full = int(cap) // INPUT_BYTES_PER_TOKEN[shape]
+    return (full, fixed + slope * full, slope + INPUT_BYTES_PER_TOKEN[shape] / GiB)
 
 
 def budget_dependent(spec: str) -> bool:

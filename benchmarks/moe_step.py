@@ -103,21 +103,6 @@ def build_model(layers: int, tiny: bool):
     return model
 
 
-class _StepTotals(StepTimer):
-    """StepTimer whose tokens / forward / backward entries are per optimizer step: the ``TimedStepMixin`` entries of
-    the step's gradient-accumulation micro-batches are summed at ``on_step_end``."""
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._mark = len(self.times.tokens)
-        super().on_step_begin(args, state, control, **kwargs)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        super().on_step_end(args, state, control, **kwargs)
-        for name in ("tokens", "fwd_ms", "bwd_ms", "host_ms"):
-            values = getattr(self.times, name)
-            values[self._mark:] = [sum(values[self._mark:])]
-
-
 def run_path(path: str, dataset, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"nbkit-moe-step-{path}-") as output_dir:
         return _run_path(path, dataset, args, output_dir)
@@ -144,7 +129,7 @@ def _run_path(path: str, dataset, args: argparse.Namespace, output_dir: str) -> 
     if lora:
         peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_ATTENTION,
                                  target_parameters=LORA_EXPERTS)
-    timer = _StepTotals()
+    timer = StepTimer()
     prof = Profiled(start=args.warmup) if path == args.profile else None
     if path.startswith("fast"):
         trainer_cls = timed_trainer(fast=True)

@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks import long_context as lc
 from benchmarks import long_context_search as lcs
+from benchmarks.offload_longest import predict_max
 from nbkit.memory import GiB, MiB
 
 FIXED_GIB, MIB_PER_TOKEN = 6.5, 0.58  # the 8B sft prior
@@ -292,3 +293,13 @@ def test_a_measured_line_replaces_the_predicted_prior():
     assert lcs.prior_line("8b", "fastsft") == (0, 6.0, 0.11 * MiB / GiB)  # run 2's line
     assert lcs.prior_line("8b", "sft") == (0, 6.5, 0.58 * MiB / GiB)  # still the prediction
     assert lcs.prior_line("14b", "fastsft") == (0, 10.9, 0.2 * MiB / GiB) and lcs.prior_line("tiny", "sft") is None
+
+
+def test_a_capped_pool_bends_the_prior_where_it_fills():
+    per_token = 32 * 4096 * 2  # the 8B's checkpointed inputs per token, bf16
+    full, peak, slope = lcs.prior_line("8b", f"fastsft[offload_max_host_bytes={8 * GiB}]")
+    assert full == 8 * GiB // per_token == 32_768
+    assert peak == pytest.approx(6.0 + full * 0.11 * MiB / GiB) and slope == pytest.approx((0.11 * MiB + per_token) / GiB)
+    limit = predict_max([], 16 * 0.97, (full, peak, slope))
+    assert 45_000 < limit < 55_000  # the uncapped line says ~86K at 16 GiB
+    assert lcs.prior_line("8b", f"fastsft[offload_max_host_bytes={GiB};offload_checkpointing=False]")[0] == 0

@@ -35,6 +35,23 @@ def test_e2e_tiny_runs_plain_trl_and_fastsft_to_the_same_first_loss(tmp_path, mo
     _check_written(tmp_path / "e2e_tiny.json", "e2e", argv, rows)
 
 
+def test_e2e_notebook_recipe_times_whole_optimizer_steps(tmp_path, monkeypatch):
+    """batch 2 x 4 accumulation steps, padding-free, unpacked: one timer entry per optimizer step holding its 8
+    documents' tokens (not one per micro-step)."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    argv = ["--tiny", "--recipe", "notebook", "--paths", "sft,fastsft", "--tokens", "128", "--steps", "2",
+            "--warmup", "1"]
+    rows = e2e.main(argv)
+    assert not [r for r in rows if r.get("error")], rows
+    sft, fast = rows
+    assert fast["loss_first"] == pytest.approx(sft["loss_first"], rel=1e-4)
+    for r in rows:
+        assert len(r["step_ms_all"]) == len(r["tokens_all"]) == len(r["losses"]) == 3
+        assert all(8 * 8 <= t <= 8 * 120 for t in r["tokens_all"])  # 8 documents of 8..120 tokens, no padding
+    assert fast["tokens_all"] == sft["tokens_all"] and fast["recipe"] == "notebook"
+    _check_written(tmp_path / "e2e_tiny_notebook.json", "e2e", argv, rows)
+
+
 def test_packing_tiny_runs_sdpa_and_nbkit_to_the_same_first_loss(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
     argv = ["--tiny", "--paths", "sdpa,nbkit", "--tokens", "512", "--steps", "2", "--warmup", "1"]
