@@ -21,6 +21,10 @@ Paths, each in its own process, from the same saved base, LoRA initialisation an
 - ``trl_order``: the reference with another data order (``data_seed`` + 1). Floor 2: what a different shuffle moves;
 - ``trl_experts`` (MoE families only): the reference with transformers' eager experts loop instead of its default
   ``grouped_mm``. Floor 3: another correct arithmetic in the MoE block, where FastSFT's MoE routing differs;
+- ``trl_liger`` (a CUDA GPU with liger-kernel; refused up front elsewhere): the reference with
+  ``use_liger_kernel=True``, TRL applying Liger's RMSNorm, SwiGLU/GeGLU and RoPE kernels itself: another plain path
+  that changes several kernels at once, as FastSFT's fused kernels do. Reported beside the floors
+  (``floor_trl_liger``), never chosen as the verdict's floor (the floors' order is about what FastSFT changes most);
 - ``fastsft``: FastSFT with its defaults; ``fastsft[switch=value;...]`` with switches changed (to find a cause).
 With ``--precision fp64`` (a CPU) every path runs in float64 on the unquantized base, so rounding is out of the
 way: two paths that compute the same function give the same curve to ~1e-6. With ``--precision fp16`` every path
@@ -77,6 +81,7 @@ TEXT_HELD_OUT_EVERY = 10
 EAGER_ONLY = ("gemma2", "gpt_oss")  # no sdpa path in transformers (gemma2: none with soft-capping)
 MOE = ("qwen3_moe", "mixtral", "gpt_oss")
 FLOORS = ("trl_experts", "trl_eager", "trl_order")  # the verdict's floor: the first of these a workload has
+REPORTED = ("trl_liger",)  # plain paths reported beside the floors, never the verdict's floor
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -119,7 +124,7 @@ def verdict(rows: list[dict]) -> list[dict]:
         if "gap" in row:
             groups.setdefault(_workload(row), {})[row["path"]] = row
     for (task, family, precision, seed), paths in groups.items():
-        floors = {name: paths[name]["gap"]["max_abs_gap"] for name in FLOORS if name in paths}
+        floors = {name: paths[name]["gap"]["max_abs_gap"] for name in FLOORS + REPORTED if name in paths}
         floor_name = next((name for name in FLOORS if name in floors), None)
         for name, row in paths.items():
             if not name.startswith("fastsft"):
@@ -258,6 +263,8 @@ def train_run(run: dict[str, Any]) -> dict[str, Any]:
 
         dataset = Dataset.from_list([{"text": d} for d in text_documents(held_out=False)])
     extra = dict(overrides)
+    if name == "trl_liger":
+        extra.setdefault("use_liger_kernel", True)
     if fast:
         extra.setdefault("live_dashboard", False)
         if fp16:
@@ -392,7 +399,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default="all", help=f"'all', 'none' or some of {','.join(FAMILIES)}")
     parser.add_argument("--paths", default=DEFAULT_PATHS, help="comma-separated: trl, trl_eager, trl_order, "
-                        "fastsft, fastsft[switch=value;...] (default %(default)s)")
+                        "trl_experts, trl_liger, fastsft, fastsft[switch=value;...] (default %(default)s)")
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (base weights, LoRA init, data); with "
                         "two or more, a pooled verdict compares median gaps (default %(default)s)")
@@ -423,6 +430,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.families, args.paths, args.steps = "qwen3", "trl,fastsft", 6
     families = [] if args.families == "none" else list(FAMILIES) if args.families == "all" else args.families.split(",")
     paths = split_paths(args.paths)
+    if "trl_liger" in paths and not liger_runs():
+        parser.error("trl_liger needs liger-kernel and a CUDA GPU")
     if not torch.cuda.is_available():
         if args.precision == "fp16":
             parser.error("--precision fp16 needs a CUDA GPU")
@@ -462,6 +471,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tiny:
         how = "CPU smoke run (--tiny): 6 steps, figures mean nothing; " + how
     return _finish(rows, paths, how, args, argv)
+
+
+def liger_runs() -> bool:
+    """Whether ``trl_liger`` can run here: Liger's kernels are Triton kernels, for a CUDA GPU."""
+    import importlib.util
+
+    return torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
 
 
 def _load_rows(files: list[str]) -> tuple[list[dict], dict | None]:

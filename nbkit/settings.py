@@ -31,6 +31,7 @@ POSITIVE_INT = "a positive int"  # in a switch's values: any int >= 1 (not a boo
 SWITCH_VALUES: dict[str, tuple[Any, ...]] = {
     "attention_kernel": ("auto", *KERNELS),
     "offload_checkpointing": AUTO_BOOL,
+    "selective_checkpointing": AUTO_BOOL,
     "fused_kernels": AUTO_BOOL,
     "live_dashboard": AUTO_BOOL,
     "tiled_mlp": AUTO_BOOL,

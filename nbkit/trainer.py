@@ -31,6 +31,7 @@ from .reliability.trainer_mixin import ReliableTraining
 from .speedups.ledger import Speedup
 from .speedups.packed_attention import PackedCollator
 from .step_flops import CachedFlops
+from .step_walks import CachedTrainableWalks
 from .sync_free_loss import SyncFreeLoss
 
 logger = logging.getLogger(__name__)
@@ -56,15 +57,17 @@ class _TrainStageSpeedups(TrainerCallback):
         self.attached, self.pending = [], []
 
 
-class FastSFT(ReliableTraining, SyncFreeLoss, CachedFlops, SFTTrainer):
+class FastSFT(ReliableTraining, SyncFreeLoss, CachedFlops, CachedTrainableWalks, SFTTrainer):
     """A drop-in ``SFTTrainer`` (same arguments) that trains faster with the same losses.
 
     Speedups (each a switch in ``FastSFTConfig``): cached packed-sequence metadata with varlen attention
     (``cached_packing``), offloaded double-buffered checkpointing (``offload_checkpointing``), fast MoE routing
     (``fast_moe_routing``), fused LoRA layers (``fused_lora``), Liger's fused RMSNorm/SwiGLU/RoPE kernels
-    (``fused_kernels``), the MLP tiled over the sequence (``tiled_mlp``), TRL's step metrics read at logging time,
+    (``fused_kernels``), the MLP tiled over the sequence (``tiled_mlp``), the last layers left un-checkpointed where
+    their activations fit (``selective_checkpointing``), TRL's step metrics read at logging time,
     not after every forward (``sync_free_metrics``), and a live notebook dashboard (``live_dashboard``). The FLOPs
-    estimate transformers logs takes the model's parameter count once per run (``nbkit.step_flops``).
+    estimate transformers logs takes the model's parameter count once per run (``nbkit.step_flops``), and the step's
+gradient clip and ``zero_grad`` walk the trainable parameters only (``nbkit.step_walks``).
 
     Reliability (``ReliableTraining``, ``nbkit.reliability``): inputs are checked before TRL prepares them
     (``validate_inputs``); an out-of-memory step raises ``TrainingOutOfMemoryError`` naming the step, the memory and
@@ -160,9 +163,9 @@ class FastSFT(ReliableTraining, SyncFreeLoss, CachedFlops, SFTTrainer):
 
     @property
     def active_speedups(self) -> list[str]:
-        """Names of the speedups attached right now (for logs and tests)."""
+        """Names of the speedups attached right now and not disengaged by their own first-step decision."""
         return [f"{s.name}({s.kernel})" if getattr(s, "kernel", None) else s.name
-                for s in self._speedups + self._train_stage.attached]
+                for s in self._speedups + self._train_stage.attached if getattr(s, "engaged", True)]
 
     def train(self, *args: Any, **kwargs: Any):
         """``SFTTrainer.train`` with the speedups attached (and ``ReliableTraining``'s handling around the step)."""

@@ -3,7 +3,9 @@
 ``attach`` then ``detach`` leaves the model exactly as found: every module's own attributes and hooks, the model
 config, and every module-level function of the transformers/PEFT modules loaded. While attached, the speedup must
 have changed something (else the comparison would prove nothing), and its ledger must hold every change. The only
-global act allowed is registering ``"nbkit"`` with transformers' attention/experts interfaces.
+global act allowed is registering ``"nbkit"`` with transformers' attention/experts interfaces. A speedup that changes
+the model only once training runs (``selective_checkpointing`` decides after its first step) is exercised with
+training steps while attached, so the changes it makes then are held to the contract too.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from nbkit.speedups.fused_lora import FusedLoRA
 from nbkit.speedups.moe import FastMoERouting
 from nbkit.speedups.offload import OffloadedCheckpointing
 from nbkit.speedups.packed_attention import PackedAttention
+from nbkit.speedups.selective_checkpointing import SelectiveCheckpointing
 from nbkit.speedups.tiled_mlp import TiledMLP
 
 VOCAB = 97
@@ -61,6 +64,12 @@ def _gc(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _train_steps(model: torch.nn.Module, steps: int = 2) -> None:
+    ids = torch.randint(0, VOCAB, (1, 32), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        model(input_ids=ids, labels=ids).loss.backward()
+
+
 # switch -> (model builder, speedup builder). Every row of the table must appear here.
 CASES: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[], Any]]] = {
     "cached_packing": (lambda: tiny_model("qwen3", VOCAB), lambda: PackedAttention(kernel="auto")),
@@ -69,7 +78,11 @@ CASES: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[], Any]]] = {
     "fused_kernels": (lambda: tiny_model("gemma3", VOCAB), lambda: FusedKernels(ops=_torch_ops())),
     "offload_checkpointing": (lambda: _gc(tiny_model("qwen3", VOCAB)), lambda: OffloadedCheckpointing(mode=True)),
     "tiled_mlp": (lambda: _lora(tiny_model("llama", VOCAB)), lambda: TiledMLP(tile_tokens=8)),
+    "selective_checkpointing": (lambda: _gc(_lora(tiny_model("qwen3", VOCAB))),
+                                lambda: SelectiveCheckpointing(mode=True, max_tokens=32)),
 }
+# switch -> what runs while it is attached, before the comparison (default: nothing)
+EXERCISE: dict[str, Callable[[torch.nn.Module], None]] = {"selective_checkpointing": _train_steps}
 
 
 def _watched_modules() -> list[Any]:
@@ -147,6 +160,7 @@ def test_attach_then_detach_leaves_model_modules_and_functions_as_found(switch, 
     probe.detach()
     before = snapshot(model)
     assert speedup.attach(model) is True, f"{switch} did not attach to its model: the contract test proves nothing"
+    EXERCISE.get(switch, lambda m: None)(model)
     during = snapshot(model)
     assert differences(before, during), f"{switch} attached but changed nothing this test can see"
     assert len(speedup._ledger) > 0, f"{switch} made its changes outside its ledger"

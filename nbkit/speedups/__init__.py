@@ -7,6 +7,9 @@ touch); the numerics it runs live in ``nbkit.ops``.
 - ``stage="model"``: attached when ``train()`` / ``evaluate()`` starts, detached when it ends.
 - ``stage="train"``: attached when training begins (``on_train_begin``: after transformers has enabled gradient
   checkpointing on the model), detached with the others.
+
+A speedup that decides at its first step whether to do anything (``selective_checkpointing``) says so through an
+``engaged`` attribute; the trainer lists it in ``nbkit_attached`` only while it is engaged.
 """
 
 from __future__ import annotations
@@ -85,6 +88,31 @@ def _offload(args: Any, packed_batches: bool) -> Optional[Speedup]:
                                   max_host_bytes=switch(args, "offload_max_host_bytes"))
 
 
+def max_micro_batch_tokens(args: Any) -> Optional[int]:
+    """The most tokens one training micro-batch can hold: rows are truncated or packed to ``max_length``, and
+    padding (per row, or of a padding-free batch) goes up to a multiple of ``pad_to_multiple_of``. None: unbounded."""
+    length = getattr(args, "max_length", None)
+    if not length:
+        return None
+    multiple = getattr(args, "pad_to_multiple_of", None)
+    if isinstance(multiple, int) and not isinstance(multiple, bool) and multiple > 1:
+        length = -(-length // multiple) * multiple
+    return int(getattr(args, "per_device_train_batch_size", 1) or 1) * int(length)
+
+
+def _selective(args: Any, packed_batches: bool) -> Optional[Speedup]:
+    mode = switch(args, "selective_checkpointing")
+    if mode is False or not getattr(args, "gradient_checkpointing", False):
+        return None
+    import torch
+
+    if mode == "auto" and (getattr(args, "use_cpu", False) or not torch.cuda.is_available()):
+        return None  # quietly: 'auto' sizes by CUDA memory
+    from .selective_checkpointing import SelectiveCheckpointing
+
+    return SelectiveCheckpointing(mode=mode, max_tokens=max_micro_batch_tokens(args))
+
+
 SPEEDUPS: tuple[SpeedupSpec, ...] = (
     SpeedupSpec("cached_packing", "model", _packed),
     SpeedupSpec("fast_moe_routing", "model", _moe),
@@ -92,6 +120,7 @@ SPEEDUPS: tuple[SpeedupSpec, ...] = (
     SpeedupSpec("fused_kernels", "model", _kernels),
     SpeedupSpec("tiled_mlp", "model", _tiled),  # after fused_kernels: it wraps the MLP forward found
     SpeedupSpec("offload_checkpointing", "train", _offload),
+    SpeedupSpec("selective_checkpointing", "train", _selective),  # after offload: it wraps the checkpoint found
 )
 
 

@@ -1,0 +1,264 @@
+"""Selective checkpointing: the last decoder layers whose activations fit in free GPU memory are not checkpointed.
+
+Why: with gradient checkpointing every decoder layer's forward runs twice, once in the forward and once as the
+recompute in backward. On short rows the step is bound by the host's Python, not the GPU, and the activations of
+many or all layers would fit in memory anyway: their recompute is pure host time. This speedup leaves as many
+layers un-checkpointed as fit, and the rest checkpointed as the user asked.
+
+How (each step):
+
+- Step 1 (the first training micro-batch) runs as the user asked, every layer checkpointed. nbkit's checkpoint
+  function, installed on each checkpointed layer through the ledger around the one found, measures what the layer
+  saves for backward: during the layer's recompute it chains a ``saved_tensors_hooks`` pack hook in front of
+  checkpoint's own, which sums the bytes of the distinct storages saved (parameters left out) and hands every
+  tensor on unchanged. That is exactly what the layer keeps when it is not checkpointed, measured where it is held
+  anyway: no extra memory, no extra compute, no value changed.
+- At the next micro-batch's first layer call it decides, once: ``n`` = the most of the LAST layers whose saved bytes,
+  scaled to the longest micro-batch the config allows (``max_tokens``), fit in ``SHARE`` of the memory left: the
+  limit torch sees (the per-process fraction applied) less ``MARGIN`` of it, less the peak allocated so far, less
+  what persistent memory grew since step 1 began (optimizer state). The last layers, because backward frees their
+  activations first. Those layers get ``gradient_checkpointing = False`` (transformers' ``GradientCheckpointingLayer``
+  checkpoints a layer when that instance flag is set and it trains), through the ledger. All readings are the
+  allocator's host-side counters: no host sync.
+
+Modes: True (engage wherever it can: also off CUDA, where there are no memory counters to size by and every layer
+is un-checkpointed; for tests), "auto" (a CUDA model; and not when offloaded checkpointing is active for the step:
+long rows are the memory-tight case, where it changes nothing). It does not attach without checkpointed layers;
+it does not engage when ``max_tokens`` is unknown (``max_length=None``), said once. What it decided is said once,
+by name; ``engaged`` says whether any layer was un-checkpointed.
+
+Contract: the same losses and gradients as plain checkpointing (the same forward, its saved tensors kept instead of
+recomputed); ``detach()`` puts every flag and checkpoint function back, and is safe twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+
+from ..memory import fmt_bytes
+from ..settings import check_value
+from .ledger import PatchLedger, unwrap_model
+from .tiled_mlp import gpu_limit
+
+logger = logging.getLogger(__name__)
+
+Mode = Union[bool, Literal["auto"]]
+MARGIN = 0.10  # of the GPU's limit, never planned for: allocator fragmentation, kernels' workspaces
+SHARE = 0.75  # of what is left after the margin and the peak: what un-checkpointed layers may take
+
+
+def layers_to_keep(saved_bytes: list[int], budget: int) -> int:
+    """How many of the last layers (``saved_bytes`` in layer order, each at the longest micro-batch) fit in
+    ``budget`` bytes together."""
+    total, n = 0, 0
+    for size in reversed(saved_bytes):
+        if total + size > budget:
+            break
+        total, n = total + size, n + 1
+    return n
+
+
+def memory_readings(device: torch.device) -> Optional[tuple[int, int, int]]:
+    """(limit, peak allocated, allocated now) bytes on a CUDA device, host-side counters; None off CUDA."""
+    limit = gpu_limit(device)
+    if limit is None:
+        return None
+    return limit, torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """(key, bytes) of a tensor's storage; a tensor without a plain one (a subclass) is keyed by itself."""
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return id(t), t.numel() * t.element_size()
+
+
+def _tokens(args: tuple, function: Callable) -> Optional[int]:
+    """Tokens of a layer call: its hidden states, positional (transformers' convention) or bound by keyword."""
+    x = args[0] if args else getattr(function, "keywords", {}).get("hidden_states")
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        return None
+    return x.numel() // x.shape[-1]
+
+
+class _Measure:
+    """The layer's checkpointed function, measuring what it saves at its second run (the recompute; with reentrant
+    checkpointing, the first runs without grad and saves nothing)."""
+
+    def __init__(self, owner: SelectiveCheckpointing, index: int, function: Callable) -> None:
+        self.owner, self.index, self.function, self.runs = owner, index, function, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.runs += 1
+        top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        if self.runs != 2 or not torch.is_grad_enabled() or top_hooks is None:
+            return self.function(*args, **kwargs)
+        # the hooks on top now are checkpoint's recompute hooks (None with reentrant checkpointing): chain them
+        top = top_hooks(False)
+        inner_pack, inner_unpack = top if top is not None else (lambda t: t, lambda t: t)
+        params, seen = self.owner._param_storages, {}
+
+        def pack(t: torch.Tensor) -> Any:
+            key, size = _storage(t)
+            if key not in params:
+                seen[key] = max(size, seen.get(key, 0))
+            return inner_pack(t)
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, inner_unpack):
+                return self.function(*args, **kwargs)
+        finally:  # also when checkpoint stops the recompute early: every saved tensor was seen by then
+            self.owner._saved[self.index] = sum(seen.values())
+
+
+class _Installed:
+    """What nbkit puts in a layer's ``_gradient_checkpointing_func``: the function found, measured at step 1."""
+
+    def __init__(self, owner: SelectiveCheckpointing, index: int, layer: torch.nn.Module, previous: Callable) -> None:
+        self.owner, self.index, self.layer, self.previous = owner, index, layer, previous
+
+    def __call__(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        owner = self.owner
+        if owner.kept is None:
+            if self.index not in owner._tokens:  # step 1: checkpointed as asked, measured
+                owner._first_call(self.index, _tokens(args, function))
+                return self.previous(_Measure(owner, self.index, function), *args, **kwargs)
+            owner._decide()  # called again: step 1's forward and backward are done
+        if self.layer.gradient_checkpointing is False:  # un-checkpointed by the decision just made
+            return function(*args, **kwargs)
+        return self.previous(function, *args, **kwargs)
+
+
+class SelectiveCheckpointing:
+    """Leave the last decoder layers that fit in free GPU memory un-checkpointed, decided after the first step.
+
+    ``max_tokens``: the most tokens one micro-batch can hold (batch size x max_length); None: unknown, stays off.
+    After the decision, ``kept`` is the number of layers un-checkpointed and ``per_token`` their measured saved
+    bytes per token, layer by layer.
+    """
+
+    name = "selective_checkpointing"
+
+    def __init__(self, mode: Mode = "auto", max_tokens: Optional[int] = None) -> None:
+        check_value("selective_checkpointing", mode)
+        self.mode, self.max_tokens = mode, max_tokens
+        self._ledger = PatchLedger(self.name)
+        self._said: set[str] = set()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._layers: list[torch.nn.Module] = []
+        self._installed: list[_Installed] = []
+        self._param_storages: set[int] = set()
+        self._device = torch.device("cpu")
+        self._tokens: dict[int, int] = {}
+        self._saved: dict[int, int] = {}
+        self._allocated_at_start: Optional[int] = None
+        self.kept: Optional[int] = None
+        self.per_token: list[float] = []
+
+    @property
+    def engaged(self) -> bool:
+        """Whether any layer is un-checkpointed now (False before the decision and when none fit)."""
+        return bool(self.kept)
+
+    # ------------------------------------------------------------------------------------------------ attach/detach
+    def attach(self, model: torch.nn.Module) -> bool:
+        self.detach()
+        if self.mode is False:
+            self._say("off", "off (selective_checkpointing=False)", logging.INFO)
+            return False
+        try:
+            from transformers.modeling_layers import GradientCheckpointingLayer
+        except ImportError:
+            self._say("old", "this transformers has no per-layer checkpointing flag; stays off")
+            return False
+        base = unwrap_model(model)
+        layers = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)
+                  and m.gradient_checkpointing is True and callable(getattr(m, "_gradient_checkpointing_func", None))]
+        if not layers:
+            self._say("nogc", f"no checkpointed layer in {type(base).__name__}; nothing to do", logging.INFO)
+            return False
+        if self.max_tokens is None:
+            self._say("unbounded", "the longest micro-batch is unknown (max_length=None), so what fits cannot be "
+                      "sized; every layer stays checkpointed")
+            return False
+        param = next(base.parameters(), None)
+        device = param.device if param is not None else torch.device("cpu")
+        if self.mode == "auto" and memory_readings(device) is None:
+            self._say("auto", f"off (model on {device.type}; 'auto' sizes by CUDA memory)", logging.INFO)
+            return False
+        # the decoder stack: the most common checkpointed layer class (a vision tower's blocks are left as they are)
+        kind, _ = Counter(type(m) for m in layers).most_common(1)[0]
+        self._layers = [m for m in layers if type(m) is kind]
+        self._device = device
+        self._param_storages = {_storage(t)[0] for t in (*base.parameters(), *base.buffers())}
+        for i, layer in enumerate(self._layers):
+            inst = _Installed(self, i, layer, layer._gradient_checkpointing_func)
+            self._ledger.set(layer, "_gradient_checkpointing_func", inst)
+            self._installed.append(inst)
+        return True
+
+    def detach(self) -> None:
+        self._ledger.undo()
+        self._reset()
+
+    # ------------------------------------------------------------------------------------------------------ policy
+    def _first_call(self, index: int, tokens: Optional[int]) -> None:
+        if not self._tokens and self._device.type == "cuda":
+            self._allocated_at_start = torch.cuda.memory_allocated(self._device)
+        self._tokens[index] = tokens or 0
+
+    def _decide(self) -> None:
+        self.kept = 0
+        why = self._refusal()
+        if why:
+            self._say("decide", f"every layer stays checkpointed ({why})", logging.INFO)
+            return
+        per_token = {i: self._saved[i] / self._tokens[i] for i in self._saved if self._tokens.get(i)}
+        if not per_token:
+            self._say("decide", "every layer stays checkpointed (step 1 saved nothing it could measure)")
+            return
+        worst = max(per_token.values())
+        self.per_token = [per_token.get(i, worst) for i in range(len(self._layers))]  # unmeasured: the worst
+        tokens = max(self.max_tokens or 0, *self._tokens.values())
+        need = [int(p * tokens) for p in self.per_token]
+        readings = memory_readings(self._device)
+        if readings is None:  # mode=True off CUDA: no counters to size by
+            budget, sized = sum(need), f"no memory counters on {self._device.type}: all of them"
+        else:
+            limit, peak, allocated = readings
+            grown = max(0, allocated - (self._allocated_at_start or allocated))
+            budget = max(0, int(SHARE * (limit * (1 - MARGIN) - peak - grown)))
+            sized = (f"{fmt_bytes(budget)} to spend: {SHARE:.0%} of the {fmt_bytes(limit)} limit less "
+                     f"{MARGIN:.0%}, the {fmt_bytes(peak)} peak and {fmt_bytes(grown)} grown since step 1")
+        self.kept = layers_to_keep(need, budget)
+        for layer in self._layers[len(self._layers) - self.kept:]:
+            self._ledger.set(layer, "gradient_checkpointing", False)
+        mean = sum(self.per_token) / len(self.per_token)
+        self._say("decide", f"{self.kept} of {len(self._layers)} layers un-checkpointed (the last ones; the rest "
+                  f"recompute as before): a layer saves {mean / 1024:.1f} KiB per token for backward, "
+                  f"{fmt_bytes(int(mean * tokens))} at the longest micro-batch of {tokens} tokens ({sized})",
+                  logging.INFO)
+
+    def _refusal(self) -> Optional[str]:
+        """Why it must not engage after step 1, or None."""
+        if self.mode == "auto":
+            from .offload import OffloadedCheckpointing
+
+            for inst in self._installed:
+                owner = getattr(inst.previous, "owner", None)
+                if isinstance(owner, OffloadedCheckpointing) and owner.active:
+                    return "offloaded checkpointing is active: rows long enough to need it leave no room"
+        return None
+
+    def _say(self, key: str, msg: str, level: int = logging.WARNING) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            logger.log(level, "nbkit selective_checkpointing: %s", msg)

@@ -1,0 +1,77 @@
+"""The optimizer step's gradient clip and ``zero_grad`` over the trainable parameters only, listed once per run.
+
+Why: after every optimizer step transformers' ``Trainer`` calls ``accelerator.clip_grad_norm_(model.parameters())``
+(which builds the list of all parameters twice, to compare it with the model's) and ``model.zero_grad()`` (which
+walks every module and parameter): thousands of tensors for a QLoRA model, almost all of them frozen, each step. On
+a short, host-bound row that walking is host time the GPU waits for.
+
+Contract: the same gradient norm, the same clipped gradients and the same cleared gradients as transformers'. The
+trainable parameters (``requires_grad`` at the first clip, after the first backward: every speedup attached by then)
+are the only ones autograd gives a gradient,
+and ``clip_grad_norm_`` / ``zero_grad`` skip parameters without one. Only where accelerate clips by a plain
+``torch.nn.utils.clip_grad_norm_`` (one process, or DDP); FSDP, DeepSpeed, XLA, SageMaker and mixed-mesh setups keep
+transformers' own path. ``zero_grad`` is replaced on the trained model for the duration of ``train()`` only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_PLAIN_CLIP = ("NO", "MULTI_GPU", "MULTI_CPU")
+
+
+class CachedTrainableWalks:
+    """Trainer mixin: gradient clip and ``zero_grad`` over the trainable parameters, listed once per ``train()``."""
+
+    _nbkit_trainable: list[torch.nn.Parameter] | None = None
+
+    def train(self, *args: Any, **kwargs: Any):
+        model = self.model
+        self._nbkit_trainable = None
+        ours = None
+        if isinstance(model, torch.nn.Module) and "zero_grad" not in vars(model):
+
+            def zero_grad(set_to_none: bool = True) -> None:
+                params = self._nbkit_trainable
+                if params is None:  # before the first clip: speedups attached at train begin may add parameters
+                    torch.nn.Module.zero_grad(model, set_to_none)
+                elif set_to_none:
+                    for p in params:
+                        p.grad = None
+                else:
+                    for p in params:
+                        if p.grad is not None:
+                            p.grad.detach_().zero_()
+
+            ours = zero_grad
+            model.zero_grad = ours  # instance attribute: shadows Module.zero_grad on this model only
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if ours is not None and vars(model).get("zero_grad") is ours:
+                del model.zero_grad
+            self._nbkit_trainable = None
+
+    def _trainable_params(self, model: torch.nn.Module) -> list[torch.nn.Parameter]:
+        if self._nbkit_trainable is None:
+            self._nbkit_trainable = [p for p in model.parameters() if p.requires_grad]
+        return self._nbkit_trainable
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
+        accelerator = getattr(self, "accelerator", None)
+        kind = getattr(getattr(accelerator, "distributed_type", None), "name", None)
+        mixed = getattr(self, "_has_mixed_mesh_grads", None)
+        if (kind not in _PLAIN_CLIP or getattr(self.args, "fp16", False) and _sagemaker_mp()
+                or (mixed is not None and mixed(model))):
+            return super()._clip_grad_norm(model)
+        return accelerator.clip_grad_norm_(self._trainable_params(model), self.args.max_grad_norm)
+
+
+def _sagemaker_mp() -> bool:
+    try:
+        from transformers.utils import is_sagemaker_mp_enabled
+    except ImportError:  # pragma: no cover - transformers always has it today
+        return False
+    return bool(is_sagemaker_mp_enabled())

@@ -1,0 +1,321 @@
+"""``selective_checkpointing``: the last layers that fit are not recomputed, and training is bitwise the same (CPU).
+
+Parity is exact (``torch.equal``): an un-checkpointed layer keeps the tensors its forward saved, and the recompute of
+a checkpointed one reproduces the same values with the same kernels in fp32 on a CPU, so losses and every LoRA
+gradient of every step are bit for bit those of plain checkpointing. Recomputes are counted with a forward pre-hook
+on each layer's ``self_attn`` (hooks on the layer itself sit outside transformers' checkpoint and never see the
+recompute): a checkpointed layer runs it twice per step, an un-checkpointed one once. On a CPU there are no memory
+counters; tests that need a budget fake ``memory_readings``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import TrainerCallback
+
+from nbkit import FastSFT, FastSFTConfig
+from nbkit.demo.data import make_dataset
+from nbkit.demo.models import tiny_model
+from nbkit.demo.tokenizer import load_demo_tokenizer
+from nbkit.speedups import max_micro_batch_tokens
+from nbkit.speedups import selective_checkpointing as selective
+from nbkit.speedups.offload import OffloadedCheckpointing
+from nbkit.speedups.selective_checkpointing import MARGIN, SHARE, SelectiveCheckpointing, layers_to_keep
+
+VOCAB = 97
+LAYERS = 4  # tiny_model's
+STEPS = 3  # step 1 measures; steps 2 and 3 run with the decision
+
+
+def count_attention_calls(model: torch.nn.Module) -> list[int]:
+    """Per decoder layer, how many times its attention ran (forward and recompute alike)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    counts = [0] * len(base.model.layers)
+    for i, layer in enumerate(base.model.layers):
+        layer.self_attn.register_forward_pre_hook(lambda *a, i=i: counts.__setitem__(i, counts[i] + 1))
+    return counts
+
+
+def layers_of(model: torch.nn.Module) -> list[torch.nn.Module]:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return list(base.model.layers)
+
+
+def budget_for(layers: float):
+    """Fake CUDA readings whose budget holds ``layers`` layers of the speedup's measured size (at its max_tokens)."""
+
+    def readings_for(speedup: SelectiveCheckpointing):
+        def readings(device):
+            per_token = max(speedup._saved[i] / speedup._tokens[i] for i in speedup._saved)
+            budget = layers * per_token * speedup.max_tokens
+            return int((budget / SHARE + 10) / (1 - MARGIN)), 0, 0  # (limit, peak, allocated)
+
+        return readings
+
+    return readings_for
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FastSFT: parity, recomputes, nbkit_attached
+
+
+class _Grads(TrainerCallback):
+    """The LoRA gradients of every optimizer step."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+
+def _train(tmp_path, family: str, selective_mode, checkpointing: bool = True, **switches):
+    tok = load_demo_tokenizer()
+    model = tiny_model(family, len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
+    args = FastSFTConfig(
+        output_dir=str(tmp_path / f"{family}-{selective_mode}-{checkpointing}-{len(switches)}"), max_steps=STEPS,
+        per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
+        use_cpu=True, bf16=False, seed=0, packing=True, max_length=96, shuffle_dataset=False,
+        dataloader_num_workers=0, disable_tqdm=True, live_dashboard=False, gradient_checkpointing=checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False}, optim="sgd", selective_checkpointing=selective_mode,
+        **switches,
+    )
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    grads = _Grads()
+    torch.manual_seed(0)
+    trainer = FastSFT(model=model, args=args, train_dataset=make_dataset("messages", n=96), processing_class=tok,
+                      peft_config=lora, callbacks=[grads])
+    calls = count_attention_calls(trainer.model)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == STEPS and len(grads.steps) == STEPS
+    return losses, grads.steps, calls, trainer
+
+
+def assert_same_training(plain, fast) -> None:
+    (losses_a, grads_a, *_), (losses_b, grads_b, *_) = plain, fast
+    assert losses_b == losses_a  # exact: see the module docstring
+    for step, (a, b) in enumerate(zip(grads_a, grads_b)):
+        assert a.keys() == b.keys() and any("lora_B" in n for n in a), step
+        for name in a:
+            assert torch.equal(a[name], b[name]), (step, name)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
+def test_same_losses_and_lora_gradients_with_no_recompute(tmp_path, one_thread, family, caplog):
+    plain = _train(tmp_path, family, False)
+    assert plain[2] == [2 * STEPS] * LAYERS  # plain checkpointing: forward and recompute, every step
+    with caplog.at_level(logging.INFO, logger="nbkit.speedups.selective_checkpointing"):
+        fast = _train(tmp_path, family, True)
+    assert_same_training(plain, fast)
+    assert fast[2] == [2 + (STEPS - 1)] * LAYERS  # step 1 recomputes; after it, no layer does (CPU: all of them)
+    assert "selective_checkpointing" in fast[3].nbkit_attached
+    assert caplog.text.count(f"{LAYERS} of {LAYERS} layers un-checkpointed") == 1
+    assert all(layer.gradient_checkpointing is True for layer in layers_of(fast[3].model))  # detached
+
+
+def test_with_the_other_switches(tmp_path, one_thread):
+    """fused_lora and cached_packing are on in every FastSFT run here; offload and tiled MLPs join in this one."""
+    others = dict(offload_checkpointing=True, tiled_mlp=True, tiled_mlp_tokens=8)
+    plain = _train(tmp_path, "llama", False, **others)
+    fast = _train(tmp_path, "llama", True, **others)
+    assert_same_training(plain, fast)
+    assert fast[2] == [2 + (STEPS - 1)] * LAYERS
+    for name in ("fused_lora", "offload_checkpointing", "tiled_mlp", "selective_checkpointing"):
+        assert name in fast[3].nbkit_attached, fast[3].nbkit_attached
+
+
+def test_a_tight_budget_leaves_every_layer_checkpointed(tmp_path, one_thread, monkeypatch, caplog):
+    monkeypatch.setattr(selective, "memory_readings", lambda device: (1 << 30, (1 << 30) - (1 << 20), 0))
+    with caplog.at_level(logging.INFO, logger="nbkit.speedups.selective_checkpointing"):
+        losses, grads, calls, trainer = _train(tmp_path, "qwen3", True)
+    assert calls == [2 * STEPS] * LAYERS
+    assert "selective_checkpointing" not in trainer.nbkit_attached
+    assert f"0 of {LAYERS} layers un-checkpointed" in caplog.text
+
+
+def test_auto_is_not_built_for_a_cpu_run(tmp_path, one_thread):
+    from nbkit import speedups
+
+    def names(**kw):
+        args = FastSFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[],
+                             gradient_checkpointing=True, offload_checkpointing=False, **kw)
+        return [s.name for s in speedups.build("train", args, True)]
+
+    assert names() == [] and names(selective_checkpointing=True) == ["selective_checkpointing"]
+    _, _, calls, trainer = _train(tmp_path, "qwen3", "auto")
+    assert calls == [2 * STEPS] * LAYERS and "selective_checkpointing" not in trainer.nbkit_attached
+
+
+def test_without_gradient_checkpointing_it_does_nothing(tmp_path, one_thread):
+    _, _, calls, trainer = _train(tmp_path, "qwen3", True, checkpointing=False)
+    assert calls == [STEPS] * LAYERS and "selective_checkpointing" not in trainer.nbkit_attached
+    model = tiny_model("qwen3", VOCAB).train()
+    assert SelectiveCheckpointing(mode=True, max_tokens=64).attach(model) is False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the speedup on its own: which layers, the budget, detach
+
+
+def _model(reentrant: bool = False, lora: bool = True) -> torch.nn.Module:
+    model = tiny_model("qwen3", VOCAB)
+    if lora:
+        torch.manual_seed(0)  # LoRA A's init draws from the global RNG
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    return model.train()
+
+
+def _steps(model: torch.nn.Module, steps: int = STEPS):
+    ids = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(0))
+    out = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    return out
+
+
+def _assert_same(a, b) -> None:
+    for (la, ga), (lb, gb) in zip(a, b):
+        assert torch.equal(la, lb) and ga.keys() == gb.keys() and ga
+        assert all(torch.equal(ga[n], gb[n]) for n in ga)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_last_layers_that_fit_are_the_ones_left_unchecked(one_thread, monkeypatch, reentrant):
+    plain = _steps(_model(reentrant))
+    model = _model(reentrant)
+    calls = count_attention_calls(model)
+    speedup = SelectiveCheckpointing(mode=True, max_tokens=64)
+    monkeypatch.setattr(selective, "memory_readings", budget_for(2.5)(speedup))
+    assert speedup.attach(model)
+    _assert_same(plain, _steps(model))
+    assert speedup.kept == 2 and speedup.engaged
+    assert [layer.gradient_checkpointing for layer in layers_of(model)] == [True, True, False, False]
+    assert calls == [2 * STEPS, 2 * STEPS, 2 + (STEPS - 1), 2 + (STEPS - 1)]
+    assert len(speedup.per_token) == LAYERS and all(p > 0 for p in speedup.per_token)
+    speedup.detach()
+    assert [layer.gradient_checkpointing for layer in layers_of(model)] == [True] * LAYERS
+
+
+def test_detach_puts_every_flag_and_function_back_and_is_safe_twice(one_thread):
+    from test_speedup_contract import differences, snapshot
+
+    model = _model()
+    layers = layers_of(model)
+    functions = [layer._gradient_checkpointing_func for layer in layers]
+    before = snapshot(model)
+    speedup = SelectiveCheckpointing(mode=True, max_tokens=64)
+    assert speedup.attach(model)
+    _steps(model, 2)
+    assert [layer.gradient_checkpointing for layer in layers] == [False] * LAYERS
+    assert any("gradient_checkpointing" in d for d in differences(before, snapshot(model)))
+    speedup.detach()
+    assert differences(before, snapshot(model)) == []
+    assert [layer.gradient_checkpointing for layer in layers] == [True] * LAYERS
+    assert [layer._gradient_checkpointing_func for layer in layers] == functions
+    speedup.detach()
+    assert differences(before, snapshot(model)) == [] and speedup.kept is None
+
+
+def test_the_measure_is_what_the_layer_keeps_and_scales_with_tokens(one_thread):
+    """The bytes measured in the recompute equal what the same layer saves when it is not checkpointed (summed here
+    with a plain saved_tensors_hooks around the un-checkpointed model, distinct storages, parameters left out), and
+    double with the tokens within a few percent (the attention's T x T weights, saved by the CPU's SDPA, grow faster).
+    """
+    ids = {n: torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(0)) for n in (64, 128)}
+
+    def unchecked(tokens: int) -> list[int]:
+        model = _model(lora=False)
+        model.gradient_checkpointing_disable()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        per_layer: list[dict[int, int]] = []
+
+        def pack(t):
+            s = t.untyped_storage()
+            if per_layer and s.data_ptr() not in params:
+                per_layer[-1][s.data_ptr()] = s.nbytes()
+            return t
+
+        for layer in model.model.layers:
+            layer.register_forward_pre_hook(lambda *a: per_layer.append({}))
+            layer.register_forward_hook(lambda *a: per_layer.append({}))  # what follows is not the layer's
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids[tokens], labels=ids[tokens]).loss.backward()
+        return [sum(d.values()) for d in per_layer[0::2]]
+
+    def measured(tokens: int) -> list[int]:
+        model = _model(lora=False)
+        speedup = SelectiveCheckpointing(mode=True, max_tokens=tokens)
+        assert speedup.attach(model)
+        model(input_ids=ids[tokens], labels=ids[tokens]).loss.backward()
+        return [speedup._saved[i] for i in range(LAYERS)]
+
+    assert measured(64) == unchecked(64) and min(measured(64)) > 0
+    assert all(1.9 <= b / a <= 2.3 for a, b in zip(measured(64), measured(128)))
+
+
+def test_layers_to_keep_takes_from_the_end():
+    assert layers_to_keep([5, 5, 5, 5], 20) == 4
+    assert layers_to_keep([5, 5, 5, 5], 19) == 3
+    assert layers_to_keep([1, 1, 9, 3], 11) == 1  # stops at the first that does not fit, counted from the last
+    assert layers_to_keep([5, 5], 4) == 0 and layers_to_keep([], 10) == 0
+
+
+def test_the_longest_micro_batch_is_bounded_by_the_config(tmp_path, caplog):
+    args = FastSFTConfig(output_dir=str(tmp_path), bf16=False, per_device_train_batch_size=3, max_length=1000,
+                         report_to=[])
+    assert max_micro_batch_tokens(args) == 3000
+    args.pad_to_multiple_of = 64
+    assert max_micro_batch_tokens(args) == 3 * 1024
+    args.max_length = None
+    assert max_micro_batch_tokens(args) is None
+    speedup = SelectiveCheckpointing(mode=True, max_tokens=None)
+    with caplog.at_level(logging.WARNING, logger="nbkit.speedups.selective_checkpointing"):
+        assert speedup.attach(_model()) is False
+        assert speedup.attach(_model()) is False
+    assert caplog.text.count("longest micro-batch is unknown") == 1
+
+
+def test_the_switch_takes_true_false_or_auto(tmp_path):
+    from nbkit.settings import SettingError
+
+    assert FastSFTConfig(output_dir=str(tmp_path), bf16=False, report_to=[]).selective_checkpointing is False
+    for value in (True, False, "auto"):
+        config = FastSFTConfig(output_dir=str(tmp_path), bf16=False, report_to=[], selective_checkpointing=value)
+        assert config.selective_checkpointing == value
+    with pytest.raises(SettingError, match="selective_checkpointing"):
+        FastSFTConfig(output_dir=str(tmp_path), bf16=False, report_to=[], selective_checkpointing="always")
+    with pytest.raises(SettingError, match="selective_checkpointing"):
+        SelectiveCheckpointing(mode="on")
+
+
+def test_auto_changes_nothing_while_offload_is_active(one_thread, monkeypatch, caplog):
+    """Offload attached first (the table's order): selective wraps offload's checkpoint function, sees it active and
+    un-checkpoints nothing; detaching both in reverse leaves transformers' own functions. With the same room and no
+    offload, 'auto' un-checkpoints every layer."""
+    monkeypatch.setattr(selective, "memory_readings", lambda device: (1 << 40, 0, 0))  # room for everything
+    plain = _steps(_model())
+    model = _model()
+    found = [layer._gradient_checkpointing_func for layer in layers_of(model)]
+    offload = OffloadedCheckpointing(mode=True)
+    speedup = SelectiveCheckpointing(mode="auto", max_tokens=64)
+    assert offload.attach(model) and speedup.attach(model)
+    with caplog.at_level(logging.INFO, logger="nbkit.speedups.selective_checkpointing"):
+        _assert_same(plain, _steps(model))
+    assert speedup.kept == 0 and not speedup.engaged and "offloaded checkpointing is active" in caplog.text
+    assert [layer.gradient_checkpointing for layer in layers_of(model)] == [True] * LAYERS
+    speedup.detach()
+    offload.detach()
+    assert [layer._gradient_checkpointing_func for layer in layers_of(model)] == found
+    assert speedup.attach(model)
+    _assert_same(plain, _steps(model))
+    assert speedup.kept == LAYERS
+    speedup.detach()
