@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.families, args.paths, args.steps = "qwen3", "trl,fastsft", 6
     families = [] if args.families == "none" else list(FAMILIES) if args.families == "all" else args.families.split(",")
     paths = split_paths(args.paths)
-    if "trl_liger" in paths and not liger_runs():
+    if any(parse_path(p)[0] == "trl_liger" for p in paths) and not liger_runs():
         parser.error("trl_liger needs liger-kernel and a CUDA GPU")
     if not torch.cuda.is_available():
         if args.precision == "fp16":

@@ -113,8 +113,10 @@ MARGIN = 0.1  # a median over a few batches is not exact: a tie with the plain r
 
 
 class Float64Arithmetic(TorchDispatchMode):
-    """Every float32 / fp16 / bf16 dtype an op asks for becomes float64; records the ops that still return a
-    lower-precision float tensor (``low``: op names), so a reference that is not float64 throughout shows."""
+    """Every float32 / fp16 / bf16 dtype an op asks for becomes float64, and such a tensor an op reads (made
+    before the step: a token count, a buffer) is read in float64, except by in-place ops and views, which must keep
+    their tensor; records the ops that still return a lower-precision float tensor (``low``: op names), so a
+    reference that is not float64 throughout shows."""
 
     def __init__(self) -> None:
         super().__init__()
