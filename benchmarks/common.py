@@ -313,6 +313,7 @@ def write_results(benchmark: str, figures: Sequence[dict] | Mapping[str, Any], n
     }
     out = os.environ.get("OUT")
     if out:
+        os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, f"{name or benchmark}.json"), "w") as f:
             json.dump(payload, f, indent=1, default=str)
     return payload
