@@ -82,14 +82,14 @@ class FastSFTConfig(SFTConfig):
                   "(free Colab has ~12 GB of RAM for everything). None: what the host has, less 4 GiB."},
     )
     selective_checkpointing: AutoBool = field(
-        default=False,
+        default="auto",
         metadata={
             "help": "With gradient checkpointing, leave the last decoder layers whose activations fit in free GPU "
-            "memory un-checkpointed (no recompute in backward for them), the rest checkpointed. Decided after the "
-            "first step, from what one layer saves per token (measured in that step's recompute), the step's peak "
-            "memory and per_device_train_batch_size x max_length. 'auto': on CUDA when offload_checkpointing is not "
-            "active; True: also on CPU (every layer un-checkpointed there); needs max_length. Off by default until its "
-            "speed and memory are measured on a GPU."
+            "memory un-checkpointed (no recompute in backward for them), the rest checkpointed (and offloaded, when "
+            "offload_checkpointing is on). Decided after the first step, from what one layer saves per token "
+            "(measured in that step's recompute), the peak memory so far and per_device_train_batch_size x "
+            "max_length. 'auto': on CUDA; True: also on CPU (every layer un-checkpointed there); needs max_length. "
+            "Same losses and gradients; more GPU memory in use (up to what was free)."
         },
     )
     fast_moe_routing: bool = field(

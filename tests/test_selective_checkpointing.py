@@ -287,7 +287,7 @@ def test_the_longest_micro_batch_is_bounded_by_the_config(tmp_path, caplog):
 def test_the_switch_takes_true_false_or_auto(tmp_path):
     from nbkit.settings import SettingError
 
-    assert FastSFTConfig(output_dir=str(tmp_path), bf16=False, report_to=[]).selective_checkpointing is False
+    assert FastSFTConfig(output_dir=str(tmp_path), bf16=False, report_to=[]).selective_checkpointing == "auto"
     for value in (True, False, "auto"):
         config = FastSFTConfig(output_dir=str(tmp_path), bf16=False, report_to=[], selective_checkpointing=value)
         assert config.selective_checkpointing == value
@@ -297,25 +297,46 @@ def test_the_switch_takes_true_false_or_auto(tmp_path):
         SelectiveCheckpointing(mode="on")
 
 
-def test_auto_changes_nothing_while_offload_is_active(one_thread, monkeypatch, caplog):
-    """Offload attached first (the table's order): selective wraps offload's checkpoint function, sees it active and
-    un-checkpoints nothing; detaching both in reverse leaves transformers' own functions. With the same room and no
-    offload, 'auto' un-checkpoints every layer."""
-    monkeypatch.setattr(selective, "memory_readings", lambda device: (1 << 40, 0, 0))  # room for everything
+def test_auto_engages_beside_offload(one_thread, monkeypatch, caplog):
+    """Offload attached first (the table's order): selective wraps offload's checkpoint function; with room, 'auto'
+    un-checkpoints every layer (they bypass offload), with none it keeps every layer checkpointed and offloaded; the
+    same losses and gradients either way, and detaching both in reverse leaves transformers' own functions."""
     plain = _steps(_model())
-    model = _model()
-    found = [layer._gradient_checkpointing_func for layer in layers_of(model)]
-    offload = OffloadedCheckpointing(mode=True)
-    speedup = SelectiveCheckpointing(mode="auto", max_tokens=64)
-    assert offload.attach(model) and speedup.attach(model)
-    with caplog.at_level(logging.INFO, logger="nbkit.speedups.selective_checkpointing"):
+    for room, kept in ((1 << 40, LAYERS), (0, 0)):
+        monkeypatch.setattr(selective, "memory_readings", lambda device, room=room: (room, 0, 0))
+        model = _model()
+        found = [layer._gradient_checkpointing_func for layer in layers_of(model)]
+        offload = OffloadedCheckpointing(mode=True)
+        speedup = SelectiveCheckpointing(mode="auto", max_tokens=64)
+        assert offload.attach(model) and speedup.attach(model)
         _assert_same(plain, _steps(model))
-    assert speedup.kept == 0 and not speedup.engaged and "offloaded checkpointing is active" in caplog.text
-    assert [layer.gradient_checkpointing for layer in layers_of(model)] == [True] * LAYERS
-    speedup.detach()
-    offload.detach()
-    assert [layer._gradient_checkpointing_func for layer in layers_of(model)] == found
-    assert speedup.attach(model)
-    _assert_same(plain, _steps(model))
-    assert speedup.kept == LAYERS
-    speedup.detach()
+        assert speedup.kept == kept and speedup.engaged is bool(kept)
+        assert [layer.gradient_checkpointing for layer in layers_of(model)] == [True] * (LAYERS - kept) + [False] * kept
+        # step 1 offloads every layer's input; after it, only the layers still checkpointed
+        assert offload.stats.packs == LAYERS + (STEPS - 1) * (LAYERS - kept)
+        speedup.detach()
+        offload.detach()
+        assert [layer._gradient_checkpointing_func for layer in layers_of(model)] == found
+
+
+def test_eager_attention_is_sized_as_tokens_squared(one_thread, monkeypatch):
+    """Layers measured at 64 tokens and sized for 64 x 1000: 1000 x what they saved with SDPA, 1000**2 x with eager
+    attention (its probabilities are tokens x tokens)."""
+    monkeypatch.setattr(selective, "memory_readings", lambda device: (1 << 40, 0, 0))
+    needs = {}
+
+    def keep_none(need: list[int], budget: int) -> int:
+        needs[attn] = [n / (p * 64 * 1000) for n, p in zip(need, speedup.per_token)]  # over the linear size
+        return 0
+
+    monkeypatch.setattr(selective, "layers_to_keep", keep_none)
+    for attn in ("sdpa", "eager"):
+        model = _model()
+        model.get_base_model().config._attn_implementation = attn
+        speedup = SelectiveCheckpointing(mode="auto", max_tokens=64 * 1000)
+        assert speedup.attach(model)
+        _steps(model, 2)
+        assert speedup.kept == 0
+        speedup.detach()
+    assert needs["sdpa"] == pytest.approx([1] * LAYERS, rel=1e-6)
+    assert needs["eager"] == pytest.approx([1000] * LAYERS, rel=1e-6)

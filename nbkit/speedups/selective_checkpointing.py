@@ -21,11 +21,21 @@ How (each step):
   checkpoints a layer when that instance flag is set and it trains), through the ledger. All readings are the
   allocator's host-side counters: no host sync.
 
+Beside offloaded checkpointing: an un-checkpointed layer keeps its activations on the GPU and is not offloaded; the
+layers still checkpointed offload as before. Step 1's peak is the offloaded one, so on long rows, where offloading
+is what made the row fit, the budget is small and few or no layers are un-checkpointed; on short rows on a large GPU
+(where offload's "auto" engages from one layer input of 16 MiB) every layer may be.
+
+Sizing: a layer's saved bytes scale with its tokens, linearly (the varlen and SDPA kernels save O(tokens)), or with
+their square when the model runs eager attention (its probabilities are tokens x tokens: a conservative bound for a
+layer whose other activations are linear). The peak is ``torch.cuda.max_memory_allocated`` as the process has it
+(never reset here): after a larger run in the same process (a notebook kernel) it is that run's, and fewer layers
+are un-checkpointed than would fit.
+
 Modes: True (engage wherever it can: also off CUDA, where there are no memory counters to size by and every layer
-is un-checkpointed; for tests), "auto" (a CUDA model; and not when offloaded checkpointing is active for the step:
-long rows are the memory-tight case, where it changes nothing). It does not attach without checkpointed layers;
-it does not engage when ``max_tokens`` is unknown (``max_length=None``), said once. What it decided is said once,
-by name; ``engaged`` says whether any layer was un-checkpointed.
+is un-checkpointed; for tests), "auto" (a CUDA model). It does not attach without checkpointed layers; it does not
+engage when ``max_tokens`` is unknown (``max_length=None``), said once. What it decided is said once, by name;
+``engaged`` says whether any layer was un-checkpointed.
 
 Contract: the same losses and gradients as plain checkpointing (the same forward, its saved tensors kept instead of
 recomputed); ``detach()`` puts every flag and checkpoint function back, and is safe twice.
@@ -157,6 +167,7 @@ class SelectiveCheckpointing:
         self._installed: list[_Installed] = []
         self._param_storages: set[int] = set()
         self._device = torch.device("cpu")
+        self._quadratic = False
         self._tokens: dict[int, int] = {}
         self._saved: dict[int, int] = {}
         self._allocated_at_start: Optional[int] = None
@@ -198,6 +209,7 @@ class SelectiveCheckpointing:
         kind, _ = Counter(type(m) for m in layers).most_common(1)[0]
         self._layers = [m for m in layers if type(m) is kind]
         self._device = device
+        self._quadratic = getattr(getattr(base, "config", None), "_attn_implementation", None) == "eager"
         self._param_storages = {_storage(t)[0] for t in (*base.parameters(), *base.buffers())}
         for i, layer in enumerate(self._layers):
             inst = _Installed(self, i, layer, layer._gradient_checkpointing_func)
@@ -217,10 +229,6 @@ class SelectiveCheckpointing:
 
     def _decide(self) -> None:
         self.kept = 0
-        why = self._refusal()
-        if why:
-            self._say("decide", f"every layer stays checkpointed ({why})", logging.INFO)
-            return
         per_token = {i: self._saved[i] / self._tokens[i] for i in self._saved if self._tokens.get(i)}
         if not per_token:
             self._say("decide", "every layer stays checkpointed (step 1 saved nothing it could measure)")
@@ -228,7 +236,11 @@ class SelectiveCheckpointing:
         worst = max(per_token.values())
         self.per_token = [per_token.get(i, worst) for i in range(len(self._layers))]  # unmeasured: the worst
         tokens = max(self.max_tokens or 0, *self._tokens.values())
-        need = [int(p * tokens) for p in self.per_token]
+        measured_at = {i: self._tokens[i] for i in per_token}
+        shortest = min(measured_at.values())
+        power = 2 if self._quadratic else 1
+        need = [int(p * tokens * (tokens / measured_at.get(i, shortest)) ** (power - 1))
+                for i, p in enumerate(self.per_token)]
         readings = memory_readings(self._device)
         if readings is None:  # mode=True off CUDA: no counters to size by
             budget, sized = sum(need), f"no memory counters on {self._device.type}: all of them"
@@ -244,19 +256,9 @@ class SelectiveCheckpointing:
         mean = sum(self.per_token) / len(self.per_token)
         self._say("decide", f"{self.kept} of {len(self._layers)} layers un-checkpointed (the last ones; the rest "
                   f"recompute as before): a layer saves {mean / 1024:.1f} KiB per token for backward, "
-                  f"{fmt_bytes(int(mean * tokens))} at the longest micro-batch of {tokens} tokens ({sized})",
+                  f"{fmt_bytes(sum(need) // len(need))} at the longest micro-batch of {tokens} tokens "
+                  f"({'scaled as tokens squared: eager attention; ' if self._quadratic else ''}{sized})",
                   logging.INFO)
-
-    def _refusal(self) -> Optional[str]:
-        """Why it must not engage after step 1, or None."""
-        if self.mode == "auto":
-            from .offload import OffloadedCheckpointing
-
-            for inst in self._installed:
-                owner = getattr(inst.previous, "owner", None)
-                if isinstance(owner, OffloadedCheckpointing) and owner.active:
-                    return "offloaded checkpointing is active: rows long enough to need it leave no room"
-        return None
 
     def _say(self, key: str, msg: str, level: int = logging.WARNING) -> None:
         if key not in self._said:

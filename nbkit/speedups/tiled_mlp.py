@@ -57,6 +57,8 @@ def gpu_limit(device: torch.device) -> Optional[int]:
     """Bytes this process may use on a CUDA device (its per-process fraction applied); None off CUDA."""
     if device.type != "cuda":
         return None
+    if device.index is None:  # torch's per-process fraction needs an index
+        device = torch.device("cuda", torch.cuda.current_device())
     limit = torch.cuda.get_device_properties(device).total_memory
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     return int(limit * fraction(device)) if fraction is not None else limit
