@@ -18,7 +18,8 @@ are the trl path's at step 0, or, with ``--at-step K``, after K optimizer steps 
 (``--steps``); every path loads them, and measures the batches that run would see next (steps K+1 to K+N).
 Recorded per batch: the training loss and the gradient of every trainable weight (LoRA, embeddings, head), read
 right after the backward (under fp16 divided by the grad scaler's scale; a batch whose scaled gradient overflows is
-recomputed at half the scale, as the scaler would settle).
+recomputed at half the scale, as the scaler would settle; the first measured batch finds the scaler in its initial
+state, whatever K).
 
 Reference: the same step, on the same batches, by plain TRL (``SFTTrainer``) in float64: the trl path's model
 (same quantized base, same LoRA) with each NF4 weight dequantized exactly into a float64 ``nn.Linear`` (the NF4 code
@@ -334,6 +335,8 @@ class _Capture:
                 param.copy_(saved[name])
         self._nbkit_mode = Float64Arithmetic() if job["kind"] == "reference" else None
         self._nbkit_record: dict[str, list] = {"losses": [], "grads": [], "fingerprints": [], "loss_scales": []}
+        scaler = getattr(self.accelerator, "scaler", None)
+        self._nbkit_scaler_start = scaler.state_dict() if scaler is not None else None
         self.args.max_steps = job["at_step"] + job["batches"]
         start = time.perf_counter()
         super().train(*args, **kwargs)
@@ -351,15 +354,27 @@ class _Capture:
         })
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any):
+        """Measure or reference: the batches the weights' run took are passed over (zero gradients, no forward);
+        each later batch is measured, from the grad scaler's initial state on, whatever ``at_step`` is.
+
+        A passed-over batch still ends in the trainer's clip and optimizer step, which under fp16 unscale, step and
+        update through the scaler: those need a scale, which only ``scaler.scale`` sets (lazily, on its first
+        call), so the batch scales its zero loss. Those steps move the scaler's growth count, so the first measured
+        batch puts the scaler back as it was before training."""
         job = self.nbkit_job
         if job["kind"] == "weights":
             return super().training_step(model, inputs, *args, **kwargs)
         params = [p for _, p in self._nbkit_params]
+        scaler = getattr(self.accelerator, "scaler", None)
         if self.state.global_step < job["at_step"]:  # batches the weights' run took: passed over
             for p in params:
                 p.grad = torch.zeros_like(p)
-            return torch.zeros((), device=self.args.device)
-        scaler = getattr(self.accelerator, "scaler", None)
+            loss = torch.zeros((), device=self.args.device)
+            if scaler is not None:
+                scaler.scale(loss)  # sets the scale accelerate's unscale_ / step / update read
+            return loss
+        if scaler is not None and not self._nbkit_record["losses"]:
+            scaler.load_state_dict(self._nbkit_scaler_start)  # as at step 0: initial scale, no growth counted
         for _ in range(MAX_HALVINGS):
             with float64_step(self._nbkit_mode) if self._nbkit_mode is not None else contextlib.nullcontext():
                 loss = super().training_step(model, inputs, *args, **kwargs)

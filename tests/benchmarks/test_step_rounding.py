@@ -83,6 +83,54 @@ def test_a_perturbed_path_is_far_from_float64_and_judged_above(tmp_path, monkeyp
     assert verdicts[PERTURBED]["grads_rel_ratio_to_largest_plain"] > 100
 
 
+def _cpu_grad_scaler(monkeypatch, **scaler_kwargs):
+    """The fp16 scaler's code path of a GPU on a CPU: every trainer but the reference's gets a CPU ``GradScaler``
+    (``scaler_kwargs``) before it trains, so accelerate scales each backward and steps through it, and accelerate's own
+    ``unscale_gradients`` unscales (it checks for fp16 and native amp, neither of which a CPU can have: both are
+    made true for that call alone, since either one at prepare time would autocast the model)."""
+    from unittest import mock
+
+    from accelerate import Accelerator
+
+    unscale = Accelerator.unscale_gradients
+    train = step_rounding._Capture.train
+
+    def unscale_gradients(self, optimizer=None):
+        if self.scaler is None:  # the reference: no fp16
+            return unscale(self, optimizer)
+        with mock.patch.object(self, "native_amp", True), mock.patch.object(Accelerator, "mixed_precision", "fp16"):
+            return unscale(self, optimizer)
+
+    def with_scaler(self, *args, **kwargs):
+        if self.nbkit_job["kind"] != "reference":  # the reference's config turns fp16 off: no scaler
+            self.accelerator.scaler = torch.amp.GradScaler("cpu", **scaler_kwargs)
+        return train(self, *args, **kwargs)
+
+    monkeypatch.setattr(Accelerator, "unscale_gradients", unscale_gradients)
+    monkeypatch.setattr(step_rounding._Capture, "train", with_scaler)
+
+
+def test_fp16_grad_scaler_measures_after_prior_steps(tmp_path, monkeypatch):
+    """At ``--at-step K`` the measure jobs pass over the K batches the weights took, and the trainer still unscales
+    and steps through the scaler after each: they must leave it a scale (a GPU's fp16 runs failed there, "Attempted
+    unscale_ but _scale is None"), and the first measured batch finds the scaler as at step 0 (here the K steps
+    would have doubled the scale: it grows after every 2 steps without an overflow)."""
+    _cpu_grad_scaler(monkeypatch, growth_interval=2)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    payload = step_rounding.main(["--tiny", "--jobs", "0", "--batches", "2", "--at-step", "0,2",
+                                  "--paths", "trl,fastsft"])
+    rows = {(r["at_step"], r["path"]): r for r in payload["figures"] if r["kind"] == "path"}
+    assert sorted(rows) == [(k, p) for k in (0, 2) for p in ("fastsft", "fp64", "trl")]
+    assert not [r for r in rows.values() if "error" in r], rows
+    init = torch.amp.GradScaler("cpu").get_scale()
+    for k in (0, 2):
+        assert rows[(k, "fp64")]["loss_scales"] == [1.0, 1.0]
+        for path in ("trl", "fastsft"):
+            r = rows[(k, path)]
+            assert r["loss_scales"] == [init, init], (k, path)  # grown only after the 2nd; fp32: no halving
+            assert 0 < r["grads_rel"] < 1e-5, (k, path)  # divided by the scale it was scaled by
+
+
 def test_packed_gpt_oss_fastsft_is_measured_against_the_per_document_reference(tmp_path, monkeypatch):
     """Plain TRL's packed gpt-oss attends across documents, FastSFT's does not: FastSFT is far from the plain step
     (another function) and at fp32 rounding from the float64 step with per-document masks."""
