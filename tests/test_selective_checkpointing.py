@@ -76,14 +76,14 @@ class _Grads(TrainerCallback):
 def _train(tmp_path, family: str, selective_mode, checkpointing: bool = True, **switches):
     tok = load_demo_tokenizer()
     model = tiny_model(family, len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
-    args = FastSFTConfig(
+    settings = dict(
         output_dir=str(tmp_path / f"{family}-{selective_mode}-{checkpointing}-{len(switches)}"), max_steps=STEPS,
         per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
         use_cpu=True, bf16=False, seed=0, packing=True, max_length=96, shuffle_dataset=False,
         dataloader_num_workers=0, disable_tqdm=True, live_dashboard=False, gradient_checkpointing=checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False}, optim="sgd", selective_checkpointing=selective_mode,
-        **switches,
     )
+    args = FastSFTConfig(**(settings | switches))
     lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
     grads = _Grads()
     torch.manual_seed(0)
@@ -282,6 +282,36 @@ def test_the_longest_micro_batch_is_bounded_by_the_config(tmp_path, caplog):
         assert speedup.attach(_model()) is False
         assert speedup.attach(_model()) is False
     assert caplog.text.count("longest micro-batch is unknown") == 1
+
+
+def test_padding_free_rows_without_max_length_are_bounded_by_the_dataset(tmp_path, one_thread, caplog):
+    """The notebook recipe (padding-free, unpacked, max_length=None as TRL requires there): the longest micro-batch
+    is the batch size x the longest tokenized example, so the speedup engages, with the same training."""
+    recipe = dict(packing=False, padding_free=True, max_length=None)
+    plain = _train(tmp_path, "qwen3", False, **recipe)
+    with caplog.at_level(logging.INFO, logger="nbkit.speedups.selective_checkpointing"):
+        fast = _train(tmp_path, "qwen3", True, **recipe)
+    assert "longest micro-batch is unknown" not in caplog.text
+    assert_same_training(plain, fast)
+    assert fast[2] == [2 + (STEPS - 1)] * LAYERS
+    longest = max(len(ids) for ids in fast[3].train_dataset["input_ids"])
+    assert f"longest micro-batch of {2 * longest} tokens" in caplog.text
+
+
+def test_the_dataset_bound_reads_the_longest_example(tmp_path):
+    from datasets import Dataset
+
+    from nbkit.speedups import dataset_micro_batch_tokens, longest_example_tokens
+
+    rows = Dataset.from_dict({"input_ids": [[1] * 5, [1] * 130, [1] * 7]})
+    args = FastSFTConfig(output_dir=str(tmp_path), bf16=False, per_device_train_batch_size=2, report_to=[])
+    assert longest_example_tokens(rows) == 130
+    assert longest_example_tokens(rows.select([0, 2])) == 130  # the whole table: an upper bound
+    assert dataset_micro_batch_tokens(args, rows) == 260
+    args.pad_to_multiple_of = 64
+    assert dataset_micro_batch_tokens(args, rows) == 2 * 192
+    assert dataset_micro_batch_tokens(args, Dataset.from_dict({"text": ["a"]})) is None
+    assert dataset_micro_batch_tokens(args, rows.to_iterable_dataset()) is None
 
 
 def test_the_switch_takes_true_false_or_auto(tmp_path):

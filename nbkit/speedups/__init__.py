@@ -100,6 +100,35 @@ def max_micro_batch_tokens(args: Any) -> Optional[int]:
     return int(getattr(args, "per_device_train_batch_size", 1) or 1) * int(length)
 
 
+def longest_example_tokens(dataset: Any) -> Optional[int]:
+    """The longest tokenized example of a map-style ``datasets.Dataset`` (its ``input_ids`` column, read from Arrow
+    without loading it into Python); None for anything else (an iterable dataset, an untokenized one)."""
+    data = getattr(dataset, "data", None)
+    if data is None or "input_ids" not in getattr(dataset, "column_names", ()):
+        return None
+    try:
+        import pyarrow.compute as pc
+
+        longest = pc.max(pc.list_value_length(data.column("input_ids"))).as_py()
+    except Exception:  # noqa: BLE001 - an unexpected column type: no bound, the speedup stays off
+        return None
+    return int(longest) if longest else None
+
+
+def dataset_micro_batch_tokens(args: Any, dataset: Any) -> Optional[int]:
+    """The most tokens one micro-batch of ``dataset`` can hold when ``max_length`` sets no bound (TRL refuses
+    ``max_length`` for padding-free rows without packing): ``per_device_train_batch_size`` x its longest example
+    (rounded up to ``pad_to_multiple_of``). The whole table is read, rows a selection or shuffle left out included:
+    an upper bound."""
+    longest = longest_example_tokens(dataset)
+    if longest is None:
+        return None
+    multiple = getattr(args, "pad_to_multiple_of", None)
+    if isinstance(multiple, int) and not isinstance(multiple, bool) and multiple > 1:
+        longest = -(-longest // multiple) * multiple
+    return int(getattr(args, "per_device_train_batch_size", 1) or 1) * longest
+
+
 def _selective(args: Any, packed_batches: bool) -> Optional[Speedup]:
     mode = switch(args, "selective_checkpointing")
     if mode is False or not getattr(args, "gradient_checkpointing", False):

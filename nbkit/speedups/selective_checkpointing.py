@@ -34,8 +34,9 @@ are un-checkpointed than would fit.
 
 Modes: True (engage wherever it can: also off CUDA, where there are no memory counters to size by and every layer
 is un-checkpointed; for tests), "auto" (a CUDA model). It does not attach without checkpointed layers; it does not
-engage when ``max_tokens`` is unknown (``max_length=None``), said once. What it decided is said once, by name;
-``engaged`` says whether any layer was un-checkpointed.
+engage when ``max_tokens`` is unknown (``max_length=None`` and no tokenized map-style dataset: FastSFT bounds it
+by batch size x the longest example otherwise, the padding-free unpacked recipe), said once. What it decided is
+said once, by name; ``engaged`` says whether any layer was un-checkpointed.
 
 Contract: the same losses and gradients as plain checkpointing (the same forward, its saved tensors kept instead of
 recomputed); ``detach()`` puts every flag and checkpoint function back, and is safe twice.
@@ -148,7 +149,8 @@ class _Installed:
 class SelectiveCheckpointing:
     """Leave the last decoder layers that fit in free GPU memory un-checkpointed, decided after the first step.
 
-    ``max_tokens``: the most tokens one micro-batch can hold (batch size x max_length); None: unknown, stays off.
+    ``max_tokens``: the most tokens one micro-batch can hold (batch size x max_length, or x the dataset's longest
+    example); None: unknown, stays off.
     After the decision, ``kept`` is the number of layers un-checkpointed and ``per_token`` their measured saved
     bytes per token, layer by layer.
     """
@@ -197,8 +199,8 @@ class SelectiveCheckpointing:
             self._say("nogc", f"no checkpointed layer in {type(base).__name__}; nothing to do", logging.INFO)
             return False
         if self.max_tokens is None:
-            self._say("unbounded", "the longest micro-batch is unknown (max_length=None), so what fits cannot be "
-                      "sized; every layer stays checkpointed")
+            self._say("unbounded", "the longest micro-batch is unknown (max_length=None and no tokenized dataset "
+                      "to bound it), so what fits cannot be sized; every layer stays checkpointed")
             return False
         param = next(base.parameters(), None)
         device = param.device if param is not None else torch.device("cpu")
