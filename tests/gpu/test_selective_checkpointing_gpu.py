@@ -113,6 +113,17 @@ def test_auto_trains_as_plain_checkpointing_in_bf16(tmp_path, family):
     _check(plain, again, fast, SHAPE["num_hidden_layers"])
 
 
+def test_auto_beside_offload_trains_as_offloaded_checkpointing(tmp_path):
+    """Offloaded checkpointing forced on for both runs: step 1 offloads every layer input, then 'auto' keeps every
+    layer's activations (short rows on a big GPU) and the un-checkpointed layers bypass the offload."""
+    build = _bf16("qwen3")
+    plain = _train(tmp_path, "plain", build, False, offload_checkpointing=True)
+    again = _train(tmp_path, "again", build, False, offload_checkpointing=True)
+    fast = _train(tmp_path, "auto", build, "auto", offload_checkpointing=True)
+    _check(plain, again, fast, SHAPE["num_hidden_layers"])
+    assert "offload_checkpointing" in fast[3].nbkit_attached
+
+
 def test_auto_trains_as_plain_checkpointing_on_a_4bit_base(tmp_path):
     pytest.importorskip("bitsandbytes")
     build = _four_bit(tmp_path / "base")
