@@ -1,16 +1,25 @@
-"""The optimizer step's gradient clip and ``zero_grad`` over the trainable parameters only, listed once per run.
+"""The optimizer step's gradient clip and ``zero_grad`` over the trainable parameters only, listed once per run, and
+the per-micro-step ``model.train()`` over a flat list of the modules.
 
 Why: after every optimizer step transformers' ``Trainer`` calls ``accelerator.clip_grad_norm_(model.parameters())``
 (which builds the list of all parameters twice, to compare it with the model's) and ``model.zero_grad()`` (which
-walks every module and parameter): thousands of tensors for a QLoRA model, almost all of them frozen, each step. On
-a short, host-bound row that walking is host time the GPU waits for.
+walks every module and parameter): thousands of tensors for a QLoRA model, almost all of them frozen, each step. And
+every micro-step begins with ``model.train()``, which recurses through every module and sets its flag through
+``Module.__setattr__``. On a short, host-bound row that walking is host time the GPU waits for.
+
+``model.train()`` (mode True) during ``train()`` reads each module's ``training`` flag from a list made at its first
+call and returns when all are on (every micro-step but the first after an evaluation): what ``Module.train(True)``
+would leave, without its walk. Otherwise, and for ``train(False)`` / ``eval()``, the model's own ``train`` runs; a
+model with a module whose class has a ``train`` other than torch's or transformers' (which only set flags when
+nothing changes) keeps its own throughout.
 
 Contract: the same gradient norm, the same clipped gradients and the same cleared gradients as transformers'. The
 trainable parameters (``requires_grad`` at the first clip, after the first backward: every speedup attached by then)
 are the only ones autograd gives a gradient,
 and ``clip_grad_norm_`` / ``zero_grad`` skip parameters without one. Only where accelerate clips by a plain
 ``torch.nn.utils.clip_grad_norm_`` (one process, or DDP); FSDP, DeepSpeed, XLA, SageMaker and mixed-mesh setups keep
-transformers' own path. ``zero_grad`` is replaced on the trained model for the duration of ``train()`` only.
+transformers' own path. ``zero_grad`` and ``train`` are replaced on the trained model (instance attributes) for the
+duration of ``train()`` only; modules added to the model during a run are not in the list (none is, by nbkit).
 """
 
 from __future__ import annotations
@@ -47,11 +56,16 @@ class CachedTrainableWalks:
 
             ours = zero_grad
             model.zero_grad = ours  # instance attribute: shadows Module.zero_grad on this model only
+        flat = _flat_train(model) if isinstance(model, torch.nn.Module) and "train" not in vars(model) else None
+        if flat is not None:
+            model.train = flat
         try:
             return super().train(*args, **kwargs)
         finally:
             if ours is not None and vars(model).get("zero_grad") is ours:
                 del model.zero_grad
+            if flat is not None and vars(model).get("train") is flat:
+                del model.train
             self._nbkit_trainable = None
 
     def _trainable_params(self, model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -67,6 +81,40 @@ class CachedTrainableWalks:
                 or (mixed is not None and mixed(model))):
             return super()._clip_grad_norm(model)
         return accelerator.clip_grad_norm_(self._trainable_params(model), self.args.max_grad_norm)
+
+
+def _no_op_when_unchanged() -> tuple:
+    """The ``train`` methods that do nothing but set flags when no module's mode changes: torch's, and
+    transformers' (which re-applies hub kernels only when the mode changed)."""
+    known: list = [torch.nn.Module.train]
+    try:
+        from transformers import PreTrainedModel
+
+        known.append(PreTrainedModel.train)
+    except ImportError:  # pragma: no cover - transformers is a requirement
+        pass
+    return tuple(known)
+
+
+def _flat_train(model: torch.nn.Module) -> Any:
+    """``model.train`` for the run (see the module docstring): in mode True, when every module is training already
+    (a list of them made at the first call), nothing to do; otherwise the model's own ``train``. None when a module's
+    class has another ``train``, which might do more than set flags."""
+    known = _no_op_when_unchanged()
+    if any(type(m).train not in known for m in model.modules()):
+        return None
+    modules: list[torch.nn.Module] = []
+    own = type(model).train
+
+    def train(mode: bool = True) -> torch.nn.Module:
+        if mode is True:
+            if not modules:
+                modules.extend(model.modules())
+            if all(m.training for m in modules):
+                return model
+        return own(model, mode)
+
+    return train
 
 
 def _sagemaker_mp() -> bool:

@@ -73,3 +73,52 @@ def test_without_clipping_zero_grad_still_clears(tmp_path, one_thread):
     logs, lora, _, model = _run(tmp_path, "fast", max_grad_norm=0.0)
     assert logs == ref_logs and all(torch.equal(lora[n], ref_lora[n]) for n in lora)
     assert "zero_grad" not in vars(model)
+
+
+def test_train_mode_is_set_without_walking_the_module_tree(tmp_path, one_thread, monkeypatch):
+    """Per micro-step ``model.train()``: transformers' recursion through every module against the flat list; the same
+    training either way, and the model's own ``train`` again afterwards."""
+    calls = []
+    original = torch.nn.Module.train
+
+    def counted(self, mode=True):
+        calls.append(mode)
+        return original(self, mode)
+
+    monkeypatch.setattr(torch.nn.Module, "train", counted)
+    with pytest.MonkeyPatch.context() as mp:
+        _transformers_walks(mp)
+        ref_logs, ref_lora, _, ref_model = _run(tmp_path, "ref")
+    ref_calls, modules = len(calls), len(list(ref_model.modules()))
+    calls.clear()
+    logs, lora, _, model = _run(tmp_path, "fast")
+    assert logs == ref_logs and all(torch.equal(lora[n], ref_lora[n]) for n in lora)
+    # 3 optimizer steps x 2 micro-steps, each a walk of every module in transformers' loop; the flat list walks at
+    # the first only (the model comes from its load in eval mode)
+    assert ref_calls - len(calls) == (3 * 2 - 1) * modules
+    assert "train" not in vars(model)
+
+
+def test_the_flat_train_leaves_what_module_train_leaves():
+    from nbkit.step_walks import _flat_train
+
+    model = tiny_model("qwen3", 64)
+    train = _flat_train(model)
+    assert train is not None
+    model.eval()
+    model.model.layers[1].mlp.train()  # a mixed tree: some modules on, most off
+    assert train() is model and all(m.training for m in model.modules())
+    model.model.layers[0].eval()  # one subtree switched off between steps
+    train()
+    assert all(m.training for m in model.modules())
+    train(False)
+    assert not any(m.training for m in model.modules())
+    with pytest.raises(ValueError):
+        train("yes")
+
+    class Frozen(torch.nn.Linear):
+        def train(self, mode: bool = True):  # an override that must run every time
+            return super().train(False)
+
+    model.model.layers[0].mlp.gate_proj = Frozen(4, 4)
+    assert _flat_train(model) is None
