@@ -370,3 +370,19 @@ def test_eager_attention_is_sized_as_tokens_squared(one_thread, monkeypatch):
         speedup.detach()
     assert needs["sdpa"] == pytest.approx([1] * LAYERS, rel=1e-6)
     assert needs["eager"] == pytest.approx([1000] * LAYERS, rel=1e-6)
+
+
+def test_the_limit_is_what_this_process_can_reach(monkeypatch):
+    """Another process on the same GPU (or the CUDA context) holds memory the allocator never sees: the limit is the
+    per-process limit, but no more than what the allocator holds plus what the device has free."""
+    gib = 1 << 30
+    device = torch.device("cuda", 0)
+    monkeypatch.setattr(selective, "gpu_limit", lambda device: 80 * gib if device.type == "cuda" else None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 5 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))  # 65 GiB elsewhere
+    assert selective.memory_readings(device) == (15 * gib, 3 * gib, 2 * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (75 * gib, 80 * gib))  # the GPU to itself
+    assert selective.memory_readings(device) == (80 * gib, 3 * gib, 2 * gib)
+    assert selective.memory_readings(torch.device("cpu")) is None

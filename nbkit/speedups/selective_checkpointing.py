@@ -18,8 +18,9 @@ How (each step):
   limit torch sees (the per-process fraction applied) less ``MARGIN`` of it, less the peak allocated so far, less
   what persistent memory grew since step 1 began (optimizer state). The last layers, because backward frees their
   activations first. Those layers get ``gradient_checkpointing = False`` (transformers' ``GradientCheckpointingLayer``
-  checkpoints a layer when that instance flag is set and it trains), through the ledger. All readings are the
-  allocator's host-side counters: no host sync.
+  checkpoints a layer when that instance flag is set and it trains), through the ledger. The readings are the
+  allocator's host-side counters and one driver query of the device's free memory (``memory_readings``): no host
+  sync.
 
 Beside offloaded checkpointing: an un-checkpointed layer keeps its activations on the GPU and is not offloaded; the
 layers still checkpointed offload as before. Step 1's peak is the offloaded one, so on long rows, where offloading
@@ -74,10 +75,15 @@ def layers_to_keep(saved_bytes: list[int], budget: int) -> int:
 
 
 def memory_readings(device: torch.device) -> Optional[tuple[int, int, int]]:
-    """(limit, peak allocated, allocated now) bytes on a CUDA device, host-side counters; None off CUDA."""
+    """(limit, peak allocated, allocated now) bytes on a CUDA device; None off CUDA. The limit is the most this
+    process can reach: its per-process fraction of the GPU, and no more than what its allocator holds plus what the
+    device has free (another process on the same GPU, the CUDA context and non-torch allocations are not ours).
+    The allocator's counters are host-side; the device's free memory is one driver query (no stream sync)."""
     limit = gpu_limit(device)
     if limit is None:
         return None
+    free, _ = torch.cuda.mem_get_info(device)
+    limit = min(limit, torch.cuda.memory_reserved(device) + free)
     return limit, torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)
 
 

@@ -190,3 +190,14 @@ def test_the_measure_matches_the_memory_an_unchecked_layer_holds():
     actual = (unchecked - checkpointed) / layers
     print(f"per layer: measured {[m / 2**20 for m in measured]} MiB, held {actual / 2**20:.1f} MiB")
     assert all(actual * 0.98 <= m <= actual * 1.3 for m in measured)
+
+
+def test_the_limit_counts_what_other_processes_hold():
+    """The limit never exceeds what the allocator holds plus the device's free memory (the CUDA context alone,
+    ~0.5 GiB, is outside the allocator)."""
+    from nbkit.speedups.selective_checkpointing import memory_readings
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    limit, peak, allocated = memory_readings(device)
+    free, total = torch.cuda.mem_get_info(device)
+    assert peak >= allocated and limit <= torch.cuda.memory_reserved(device) + free < total
