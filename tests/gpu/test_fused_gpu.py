@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

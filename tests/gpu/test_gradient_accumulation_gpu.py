@@ -8,7 +8,7 @@ import torch
 
 from tests.test_gradient_accumulation import assert_same_training
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.mark.parametrize("dtype, tolerance", [("fp32", 1e-4), ("bf16", 3e-2)])

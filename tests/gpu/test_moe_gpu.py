@@ -20,7 +20,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 from nbkit.speedups import moe
 from nbkit.speedups.moe import FastMoERouting
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 DEV = "cuda"
 T, H, INTER, E = 2048, 256, 384, 16

@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def test_an_unset_precision_follows_the_gpu_and_batches_are_pinned(tmp_path, caplog):
