@@ -17,7 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -317,3 +317,24 @@ def write_results(benchmark: str, figures: Sequence[dict] | Mapping[str, Any], n
         with open(os.path.join(out, f"{name or benchmark}.json"), "w") as f:
             json.dump(payload, f, indent=1, default=str)
     return payload
+
+
+def run_workers(jobs: Sequence[dict], parallel: int, module: str, finished: Callable[[dict, int, str], None]) -> None:
+    """Each job in its own process (a fresh CUDA context and global state), ``parallel`` at a time:
+    ``python -m <module> --worker <spec>``, the spec the job written as ``<work>/<key>.json`` and its output logged to
+    ``<work>/<key>.log``. ``finished(job, returncode, log tail)`` is called as each one ends."""
+    pending, active = list(jobs), []
+    while pending or active:
+        while pending and len(active) < parallel:
+            job = pending.pop(0)
+            spec = Path(job["work"]) / f"{job['key']}.json"
+            spec.write_text(json.dumps(job))
+            log = open(Path(job["work"]) / f"{job['key']}.log", "w")  # noqa: SIM115
+            cmd = [sys.executable, "-m", module, "--worker", str(spec)]
+            active.append((job, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+        time.sleep(0.5)
+        for item in [a for a in active if a[1].poll() is not None]:
+            job, proc, log = item
+            active.remove(item)
+            log.close()
+            finished(job, proc.returncode, (Path(job["work"]) / f"{job['key']}.log").read_text()[-2000:])

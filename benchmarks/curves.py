@@ -60,8 +60,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -71,7 +69,7 @@ from unittest import mock
 import torch
 from transformers import TrainerCallback
 
-from .common import git_commit, parse_path, split_paths, write_results
+from .common import git_commit, parse_path, run_workers, split_paths, write_results
 
 DEFAULT_PATHS = "trl,trl_eager,trl_order,fastsft"
 EMA_BETA = 0.9
@@ -332,33 +330,23 @@ _KEYS = ("task", "family", "precision", "seed", "path")
 
 
 def _run_all(runs: list[dict], jobs: int, partial: Path | None = None) -> list[dict]:
-    """Each run in its own process (a fresh CUDA context and global state), ``jobs`` at a time; each finished row is
-    also appended to ``partial`` (JSON lines), so a run cut short keeps what it finished."""
-    pending, active, rows = list(runs), [], []
-    while pending or active:
-        while pending and len(active) < jobs:
-            run = pending.pop(0)
-            spec = Path(run["work"]) / f"{run['key']}.json"
-            spec.write_text(json.dumps(run))
-            err = open(Path(run["work"]) / f"{run['key']}.log", "w")  # noqa: SIM115
-            cmd = [sys.executable, "-m", "benchmarks.curves", "--worker", str(spec)]
-            active.append((run, subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT), err))
-        time.sleep(0.5)
-        for item in [a for a in active if a[1].poll() is not None]:
-            run, proc, err = item
-            active.remove(item)
-            err.close()
-            result = Path(run["result"])
-            if result.is_file():
-                rows.append(json.loads(result.read_text()))
-            else:
-                tail = (Path(run["work"]) / f"{run['key']}.log").read_text()[-2000:]
-                rows.append({k: run[k] for k in _KEYS}
-                            | {"error": f"exit {proc.returncode}: {tail}"})
-            print(f"done {run['key']}: {rows[-1].get('error', 'ok')[:300]}", flush=True)
-            if partial is not None:
-                with partial.open("a") as f:
-                    f.write(json.dumps(rows[-1]) + "\n")
+    """Each run in its own process (``common.run_workers``), ``jobs`` at a time; each finished row is also appended
+    to ``partial`` (JSON lines), so a run cut short keeps what it finished."""
+    rows: list[dict] = []
+
+    def finished(run: dict, returncode: int, tail: str) -> None:
+        result = Path(run["result"])
+        if result.is_file():
+            rows.append(json.loads(result.read_text()))
+        else:
+            rows.append({k: run[k] for k in _KEYS} | {"error": f"exit {returncode}: {tail}"})
+        print(f"done {run['key']}: {rows[-1].get('error', 'ok')[:300]}", flush=True)
+        if partial is not None:
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            with partial.open("a") as f:
+                f.write(json.dumps(rows[-1]) + "\n")
+
+    run_workers(runs, jobs, "benchmarks.curves", finished)
     return rows
 
 

@@ -78,7 +78,6 @@ import hashlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -92,7 +91,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from transformers import TrainerCallback
 
 from . import curves
-from .common import parse_path, split_paths, write_results
+from .common import parse_path, run_workers, split_paths, write_results
 
 DEFAULT_PATHS = "trl,trl_eager,fastsft"
 DEFAULT_BATCHES = 16
@@ -564,30 +563,20 @@ def _run_here(job: dict[str, Any]) -> None:
 
 
 def _run_jobs(jobs: list[dict], parallel: int) -> None:
-    """Each job in its own process, ``parallel`` at a time (0: all here, one after another)."""
+    """Each job in its own process (``common.run_workers``), ``parallel`` at a time (0: all here, one after
+    another); a job that left neither its result nor an error file gets its log's tail as its error."""
+    def finished(job: dict, returncode: int, tail: str) -> None:
+        if not Path(job["out"]).is_file() and not Path(job["out"] + ".error").is_file():
+            Path(job["out"] + ".error").write_text(f"exit {returncode}: {tail}")
+        error = Path(job["out"] + ".error")
+        print(f"done {job['key']}: {error.read_text()[:300] if error.is_file() else 'ok'}", flush=True)
+
     if parallel == 0:
         for job in jobs:
             _run_here(job)
-            print(f"done {job['key']}", flush=True)
+            finished(job, 0, "")
         return
-    pending, active = list(jobs), []
-    while pending or active:
-        while pending and len(active) < parallel:
-            job = pending.pop(0)
-            spec = Path(job["work"]) / f"{job['key']}.json"
-            spec.write_text(json.dumps(job))
-            log = open(Path(job["work"]) / f"{job['key']}.log", "w")  # noqa: SIM115
-            cmd = [sys.executable, "-m", "benchmarks.step_rounding", "--worker", str(spec)]
-            active.append((job, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
-        time.sleep(0.5)
-        for item in [a for a in active if a[1].poll() is not None]:
-            job, proc, log = item
-            active.remove(item)
-            log.close()
-            if not Path(job["out"]).is_file() and not Path(job["out"] + ".error").is_file():
-                tail = (Path(job["work"]) / f"{job['key']}.log").read_text()[-2000:]
-                Path(job["out"] + ".error").write_text(f"exit {proc.returncode}: {tail}")
-            print(f"done {job['key']}", flush=True)
+    run_workers(jobs, parallel, "benchmarks.step_rounding", finished)
 
 
 def _outcome(job: dict[str, Any]) -> dict | str:

@@ -88,7 +88,8 @@ class FastSFTConfig(SFTConfig):
             "memory un-checkpointed (no recompute in backward for them), the rest checkpointed (and offloaded, when "
             "offload_checkpointing is on). Decided after the first step, from what one layer saves per token "
             "(measured in that step's recompute), the peak memory so far and per_device_train_batch_size x "
-            "max_length. 'auto': on CUDA; True: also on CPU (every layer un-checkpointed there); needs max_length. "
+            "max_length (or x the dataset's longest tokenized example). 'auto': on CUDA; True: also on CPU (every "
+            "layer un-checkpointed there). "
             "Same losses and gradients; more GPU memory in use (up to what was free)."
         },
     )

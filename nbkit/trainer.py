@@ -151,10 +151,7 @@ gradient clip and ``zero_grad`` walk the trainable parameters only (``nbkit.step
                 if speedup.attach(self.model):
                     self._speedups.append(speedup)
             self.nbkit_attached = self.active_speedups
-            self._train_stage.pending = speedups.build("train", self.args, packed)
-            for speedup in self._train_stage.pending:  # no max_length: the dataset bounds a micro-batch
-                if getattr(speedup, "name", None) == "selective_checkpointing" and speedup.max_tokens is None:
-                    speedup.max_tokens = speedups.dataset_micro_batch_tokens(self.args, self.train_dataset)
+            self._train_stage.pending = speedups.build("train", self.args, packed, self.train_dataset)
             yield self._speedups
         finally:
             self.nbkit_attached = self.active_speedups

@@ -30,10 +30,10 @@ class SpeedupSpec:
 
     switch: str
     stage: Literal["model", "train"]
-    build: Callable[[Any, bool], Optional[Speedup]]  # (args, batches are packed by nbkit's collator)
+    build: Callable[[Any, bool, Any], Optional[Speedup]]  # (args, batches packed by nbkit's collator, train dataset)
 
 
-def _packed(args: Any, packed_batches: bool) -> Optional[Speedup]:
+def _packed(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
     if not (switch(args, "cached_packing") and packed_batches):
         return None
     from .packed_attention import PackedAttention
@@ -41,7 +41,7 @@ def _packed(args: Any, packed_batches: bool) -> Optional[Speedup]:
     return PackedAttention(kernel=switch(args, "attention_kernel"))
 
 
-def _moe(args: Any, packed_batches: bool) -> Optional[Speedup]:
+def _moe(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
     if not switch(args, "fast_moe_routing"):
         return None
     from .moe import FastMoERouting
@@ -49,7 +49,7 @@ def _moe(args: Any, packed_batches: bool) -> Optional[Speedup]:
     return FastMoERouting()
 
 
-def _lora(args: Any, packed_batches: bool) -> Optional[Speedup]:
+def _lora(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
     if not switch(args, "fused_lora"):
         return None
     from .fused_lora import FusedLoRA
@@ -57,7 +57,7 @@ def _lora(args: Any, packed_batches: bool) -> Optional[Speedup]:
     return FusedLoRA()
 
 
-def _kernels(args: Any, packed_batches: bool) -> Optional[Speedup]:
+def _kernels(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
     mode = switch(args, "fused_kernels")
     if mode is False:
         return None
@@ -68,7 +68,7 @@ def _kernels(args: Any, packed_batches: bool) -> Optional[Speedup]:
     return FusedKernels()
 
 
-def _tiled(args: Any, packed_batches: bool) -> Optional[Speedup]:
+def _tiled(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
     mode = switch(args, "tiled_mlp")
     if mode is False:
         return None
@@ -77,7 +77,7 @@ def _tiled(args: Any, packed_batches: bool) -> Optional[Speedup]:
     return TiledMLP(tile_tokens=switch(args, "tiled_mlp_tokens"), auto=mode == "auto")
 
 
-def _offload(args: Any, packed_batches: bool) -> Optional[Speedup]:
+def _offload(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
     mode = switch(args, "offload_checkpointing")
     if mode is False or not getattr(args, "gradient_checkpointing", False):
         return None
@@ -88,16 +88,19 @@ def _offload(args: Any, packed_batches: bool) -> Optional[Speedup]:
                                   max_host_bytes=switch(args, "offload_max_host_bytes"))
 
 
+def _micro_batch(args: Any, row_tokens: int) -> int:
+    """``per_device_train_batch_size`` rows of ``row_tokens``, each padded up to ``pad_to_multiple_of``."""
+    multiple = getattr(args, "pad_to_multiple_of", None)
+    if isinstance(multiple, int) and not isinstance(multiple, bool) and multiple > 1:
+        row_tokens = -(-row_tokens // multiple) * multiple
+    return int(getattr(args, "per_device_train_batch_size", 1) or 1) * int(row_tokens)
+
+
 def max_micro_batch_tokens(args: Any) -> Optional[int]:
     """The most tokens one training micro-batch can hold: rows are truncated or packed to ``max_length``, and
     padding (per row, or of a padding-free batch) goes up to a multiple of ``pad_to_multiple_of``. None: unbounded."""
     length = getattr(args, "max_length", None)
-    if not length:
-        return None
-    multiple = getattr(args, "pad_to_multiple_of", None)
-    if isinstance(multiple, int) and not isinstance(multiple, bool) and multiple > 1:
-        length = -(-length // multiple) * multiple
-    return int(getattr(args, "per_device_train_batch_size", 1) or 1) * int(length)
+    return _micro_batch(args, length) if length else None
 
 
 def longest_example_tokens(dataset: Any) -> Optional[int]:
@@ -121,15 +124,10 @@ def dataset_micro_batch_tokens(args: Any, dataset: Any) -> Optional[int]:
     (rounded up to ``pad_to_multiple_of``). The whole table is read, rows a selection or shuffle left out included:
     an upper bound."""
     longest = longest_example_tokens(dataset)
-    if longest is None:
-        return None
-    multiple = getattr(args, "pad_to_multiple_of", None)
-    if isinstance(multiple, int) and not isinstance(multiple, bool) and multiple > 1:
-        longest = -(-longest // multiple) * multiple
-    return int(getattr(args, "per_device_train_batch_size", 1) or 1) * longest
+    return _micro_batch(args, longest) if longest is not None else None
 
 
-def _selective(args: Any, packed_batches: bool) -> Optional[Speedup]:
+def _selective(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
     mode = switch(args, "selective_checkpointing")
     if mode is False or not getattr(args, "gradient_checkpointing", False):
         return None
@@ -139,7 +137,9 @@ def _selective(args: Any, packed_batches: bool) -> Optional[Speedup]:
         return None  # quietly: 'auto' sizes by CUDA memory
     from .selective_checkpointing import SelectiveCheckpointing
 
-    return SelectiveCheckpointing(mode=mode, max_tokens=max_micro_batch_tokens(args))
+    # no max_length (padding-free rows without packing, where TRL refuses it): the dataset bounds a micro-batch
+    bound = max_micro_batch_tokens(args) or dataset_micro_batch_tokens(args, dataset)
+    return SelectiveCheckpointing(mode=mode, max_tokens=bound)
 
 
 SPEEDUPS: tuple[SpeedupSpec, ...] = (
@@ -153,7 +153,8 @@ SPEEDUPS: tuple[SpeedupSpec, ...] = (
 )
 
 
-def build(stage: str, args: Any, packed_batches: bool) -> list[Speedup]:
-    """The speedups of ``stage`` this run's arguments switch on, in table order (attach order)."""
-    built = (spec.build(args, packed_batches) for spec in SPEEDUPS if spec.stage == stage)
+def build(stage: str, args: Any, packed_batches: bool, dataset: Any = None) -> list[Speedup]:
+    """The speedups of ``stage`` this run's arguments (and its train dataset, where they need it) switch on, in
+    table order (attach order)."""
+    built = (spec.build(args, packed_batches, dataset) for spec in SPEEDUPS if spec.stage == stage)
     return [s for s in built if s is not None]
