@@ -93,6 +93,17 @@ class FastSFTConfig(SFTConfig):
             "Same losses and gradients; more GPU memory in use (up to what was free)."
         },
     )
+    cuda_graphs: AutoBool = field(
+        default="auto",
+        metadata={
+            "help": "Replay each decoder layer that is not checkpointed (selective_checkpointing's, or every layer "
+            "without gradient checkpointing) as one CUDA graph in the forward and one in the backward, so a short "
+            "row's step is not bound by Python's kernel launches. Micro-batches are padded up to buckets of 256 to "
+            "8192 tokens (one padding document, zero gradient), one set of graphs per bucket, captured at its first "
+            "use. 'auto' and True: on CUDA with cached_packing's varlen kernels, for dense (not MoE) models "
+            "without dropout; anything else runs eagerly. Same losses and gradients up to rounding."
+        },
+    )
     fast_moe_routing: bool = field(
         default=True,
         metadata={

@@ -32,6 +32,7 @@ SWITCH_VALUES: dict[str, tuple[Any, ...]] = {
     "attention_kernel": ("auto", *KERNELS),
     "offload_checkpointing": AUTO_BOOL,
     "selective_checkpointing": AUTO_BOOL,
+    "cuda_graphs": AUTO_BOOL,
     "fused_kernels": AUTO_BOOL,
     "live_dashboard": AUTO_BOOL,
     "tiled_mlp": AUTO_BOOL,

@@ -8,8 +8,8 @@ touch); the numerics it runs live in ``nbkit.ops``.
 - ``stage="train"``: attached when training begins (``on_train_begin``: after transformers has enabled gradient
   checkpointing on the model), detached with the others.
 
-A speedup that decides at its first step whether to do anything (``selective_checkpointing``) says so through an
-``engaged`` attribute; the trainer lists it in ``nbkit_attached`` only while it is engaged.
+A speedup that decides at its first steps whether to do anything (``selective_checkpointing``, ``cuda_graphs``) says
+so through an ``engaged`` attribute; the trainer lists it in ``nbkit_attached`` only while it is engaged.
 """
 
 from __future__ import annotations
@@ -142,6 +142,19 @@ def _selective(args: Any, packed_batches: bool, dataset: Any = None) -> Optional
     return SelectiveCheckpointing(mode=mode, max_tokens=bound)
 
 
+def _graphs(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
+    mode = switch(args, "cuda_graphs")
+    if mode is False or not packed_batches:
+        return None  # the graphs read cached_packing's metadata
+    import torch
+
+    if getattr(args, "use_cpu", False) or not torch.cuda.is_available():
+        return None  # quietly: graphs are CUDA's
+    from .cuda_graphs import CudaGraphs
+
+    return CudaGraphs(mode=mode)
+
+
 SPEEDUPS: tuple[SpeedupSpec, ...] = (
     SpeedupSpec("cached_packing", "model", _packed),
     SpeedupSpec("fast_moe_routing", "model", _moe),
@@ -150,6 +163,7 @@ SPEEDUPS: tuple[SpeedupSpec, ...] = (
     SpeedupSpec("tiled_mlp", "model", _tiled),  # after fused_kernels: it wraps the MLP forward found
     SpeedupSpec("offload_checkpointing", "train", _offload),
     SpeedupSpec("selective_checkpointing", "train", _selective),  # after offload: it wraps the checkpoint found
+    SpeedupSpec("cuda_graphs", "train", _graphs),  # graphs the layers left un-checkpointed
 )
 
 

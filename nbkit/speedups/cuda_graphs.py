@@ -1,0 +1,451 @@
+"""CUDA graphs for the decoder layers that are not checkpointed: each layer's forward and backward is one replay.
+
+Why: on short rows a QLoRA step is bound by the host. Every decoder layer's forward and backward launch a few hundred
+kernels from Python (PEFT's and nbkit's LoRA functions, bitsandbytes' dequantization, Liger's kernels, autograd's
+engine), and the GPU finishes each before the next is launched. A captured graph launches them all from one call.
+
+How:
+
+- Buckets. A graph has fixed shapes, and packed or padding-free micro-batches do not: a micro-batch of ``T`` tokens
+  runs on the graphs of the smallest bucket (``BUCKETS``: 256 tokens to ``max_tokens``, steps of at most 1.5x) that
+  holds it. Its hidden states are copied into the layer's static input and the rest of the bucket zeroed; the
+  padding is one more document in the static ``cu_seqlens`` (zero-length documents fill the rest), so attention never
+  mixes it with real tokens, and the gradient reaching it is zero, so it adds exactly nothing to the LoRA gradients.
+  Only the GEMMs' shapes change: results agree with the eager layer to rounding.
+- Static metadata. The varlen kernels read ``cu_seqlens`` from one static buffer per bucket (copied once per forward)
+  with the bucket's length as the bound; cos/sin and position ids likewise. Nothing is read on the host.
+- Capture, lazily and in replay order: a layer's forward graph at its first call in a bucket (after one eager
+  forward and backward on a side stream, so kernels are compiled and workspaces exist), its backward graph at its
+  first backward. Every graph shares one memory pool: graphs are captured in the order they replay (forwards in
+  layer order, backwards in reverse), and the graphs of two buckets never interleave, which is what makes sharing
+  safe; a bucket's saved activations then reuse another bucket's memory.
+- Replay: an autograd function taking the hidden states and the layer's trainable parameters; its backward copies
+  the incoming gradient into the static buffer, replays, and returns the static gradients (cloned for the input).
+
+Eager instead, per call and said once per reason: not training, no grad, the layer checkpointed (its recompute
+is not graphed), more tokens than ``max_tokens``, more documents than a bucket holds, an argument the graph cannot
+take (a padding mask, a KV cache, an unknown tensor), no varlen kernel (``cached_packing`` with the ``varlen`` or
+``flash_attn`` kernel), not enough free memory for another layer's graphs. Not attached: not CUDA, a MoE model
+(the experts' shapes depend on the routing), dropout in a decoder layer (random numbers would repeat).
+
+Contract: the same losses and gradients as the eager layers up to rounding; a layer's forward must be followed by its
+backward before it runs forward again in the same bucket (``RuntimeError`` otherwise, as in a custom loop that runs
+two forwards before their backwards); ``detach()`` puts every ``forward`` back and drops the graphs. ``emulate=True``
+(for tests on CPU) runs the same buffers, buckets and autograd plumbing with an eager re-run in place of each replay.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+
+from ..ops.varlen_attention import KERNEL_FNS, PackedRun
+from ..settings import check_value
+from .ledger import PatchLedger, unwrap_model
+
+logger = logging.getLogger(__name__)
+
+Mode = Union[bool, Literal["auto"]]
+BUCKETS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+MAX_TOKENS = 8192  # beyond this a layer's kernels are long enough to hide their launches: eager
+MIN_DOCS = 16  # documents a bucket holds at least; more: tokens / 64 (its padding document not counted)
+MAX_VARIANTS = 2 * len(BUCKETS)  # graphs of one layer (buckets x input states): beyond, eager
+RESERVE = 0.10  # of the GPU's memory left free when capturing another layer's graphs
+_FUSED_KERNELS = (KERNEL_FNS["varlen"], KERNEL_FNS["flash_attn"])
+TOKENWISE_KWARGS = ("position_ids", "cache_position", "seq_idx")  # one value per token: copied into static twins
+_NONE_KWARGS = ("attention_mask", "past_key_values", "past_key_value", "cache")
+_DROPPED_KWARGS = ("nbkit_cu_seqlens_host", "num_items_in_batch")  # read by no kernel in a decoder layer
+_MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+_NEW = object()
+
+
+def bucket_for(tokens: int, max_tokens: int = MAX_TOKENS) -> Optional[int]:
+    """The smallest bucket holding ``tokens`` (None above ``max_tokens``)."""
+    for size in BUCKETS:
+        if size > max_tokens:
+            return None
+        if tokens <= size:
+            return size
+    return None
+
+
+def doc_capacity(bucket: int) -> int:
+    """Real documents a bucket's static ``cu_seqlens`` holds (its padding document comes on top)."""
+    return max(MIN_DOCS, bucket // 64)
+
+
+class _Shared:
+    """One bucket's static metadata, shared by its layers and refreshed once per forward."""
+
+    def __init__(self, bucket: int, kernel: Callable, device: torch.device, template: dict) -> None:
+        self.bucket = bucket
+        cos, sin = template["position_embeddings"]
+        self.cos = torch.zeros((1, bucket, cos.shape[-1]), dtype=cos.dtype, device=device)
+        self.sin = torch.zeros((1, bucket, sin.shape[-1]), dtype=sin.dtype, device=device)
+        self.tokenwise: dict[str, torch.Tensor] = {}  # position_ids, cache_position, seq_idx: made at first sight
+        slots = doc_capacity(bucket) + 2  # 0, the real documents' ends, the padding's end
+        self.cu_q = torch.full((slots,), bucket, dtype=torch.int32, device=device)
+        self.cu_k = torch.full((slots,), bucket, dtype=torch.int32, device=device)
+        self.run = PackedRun(kernel=kernel, cu_q=self.cu_q, cu_k=self.cu_k, max_q=bucket, max_k=bucket,
+                             host_offsets=None, training=True)
+        self.grad_out: Optional[torch.Tensor] = None  # (1, bucket, hidden), made with the first layer's graphs
+        self._source: Any = None
+
+    def load(self, tokens: int, kwargs: dict) -> None:
+        """Copy this forward's metadata in (once per forward: every layer is handed the same tensors)."""
+        run: PackedRun = kwargs["nbkit_run"]
+        if self._source is run:
+            return
+        cos, sin = kwargs["position_embeddings"]
+        self.cos[:, :tokens].copy_(cos)
+        self.sin[:, :tokens].copy_(sin)
+        for key in TOKENWISE_KWARGS:
+            if kwargs.get(key) is not None:
+                self._static(key, kwargs[key])[..., :tokens].copy_(kwargs[key])
+        for static, cu in ((self.cu_q, run.cu_q), (self.cu_k, run.cu_k)):
+            n = cu.numel()
+            static[:n].copy_(cu)
+            static[n:].fill_(self.bucket)  # the padding's end, then zero-length documents
+        self._source = run  # held: a later forward's run cannot reuse its id
+        self.run._dense_masks.clear()  # emulation's exact kernels build masks from the buffers; graphs never do
+
+    def _static(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        """The bucket-long static twin of a per-token tensor (tokens on its last dimension; the padding reads 0)."""
+        if key not in self.tokenwise:
+            self.tokenwise[key] = like.new_zeros((*like.shape[:-1], self.bucket))
+        return self.tokenwise[key]
+
+    def kwargs(self, given: dict) -> dict:
+        """The layer's keyword arguments at capture: the given ones with the static tensors in their place."""
+        out = {k: v for k, v in given.items() if k not in _DROPPED_KWARGS}
+        out["position_embeddings"] = (self.cos, self.sin)
+        for key in TOKENWISE_KWARGS:
+            if given.get(key) is not None:
+                out[key] = self._static(key, given[key])
+        out.update(cu_seq_lens_q=self.cu_q, cu_seq_lens_k=self.cu_k, max_length_q=self.bucket,
+                   max_length_k=self.bucket, nbkit_run=self.run)
+        return out
+
+
+class _LayerGraphs:
+    """One layer's graphs in one bucket: static input, forward and backward graphs, static gradients."""
+
+    def __init__(self, owner: CudaGraphs, index: int, layer: torch.nn.Module, shared: _Shared,
+                 x: torch.Tensor, kwargs: dict) -> None:
+        self.owner, self.index, self.shared = owner, index, shared
+        self.forward_fn = owner._originals[index]
+        self.kwargs = shared.kwargs(kwargs)
+        self.trainable = tuple(p for p in layer.parameters() if p.requires_grad)
+        self.x = torch.zeros((1, shared.bucket, x.shape[-1]), dtype=x.dtype, device=x.device,
+                             requires_grad=x.requires_grad)
+        if shared.grad_out is None:
+            shared.grad_out = torch.zeros_like(self.x, requires_grad=False)
+        self.inputs = ((self.x,) if x.requires_grad else ()) + self.trainable
+        self.autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
+        self.out: Optional[torch.Tensor] = None  # static output
+        self.graph_out: Optional[torch.Tensor] = None  # the captured output, kept for the backward's capture
+        self.grads: Optional[tuple] = None
+        self.fwd: Any = None
+        self.bwd: Any = None
+        self.generation = 0
+
+    # -- running the layer on the static buffers -----------------------------------------------------------------
+    def _run(self) -> torch.Tensor:
+        enabled, dtype = self.autocast
+        with torch.enable_grad(), torch.autocast(self.x.device.type, dtype=dtype, enabled=enabled,
+                                                 cache_enabled=False):
+            return self.forward_fn(self.x, **self.kwargs)
+
+    def _grad(self, out: torch.Tensor) -> tuple:
+        return torch.autograd.grad(out, self.inputs, grad_outputs=self.shared.grad_out, allow_unused=True)
+
+    def capture_forward(self) -> None:
+        if self.owner.emulate:
+            _check_output(self._run())
+            self.fwd = "emulated"
+            return
+        side, current = torch.cuda.Stream(self.x.device), torch.cuda.current_stream(self.x.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):  # warm-up: kernels compiled, cuBLAS workspaces made, outside any graph
+            self._grad(self._run())
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.owner._pool, capture_error_mode="thread_local"):
+            out = _check_output(self._run())
+        self.fwd, self.out, self.graph_out = graph, out.detach(), out
+
+    def capture_backward(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.owner._pool, capture_error_mode="thread_local"):
+            grads = self._grad(self.graph_out)
+        self.bwd, self.grads, self.graph_out = graph, grads, None
+
+    # -- replays ---------------------------------------------------------------------------------------------------
+    def replay_forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[1]
+        with torch.no_grad():
+            self.x[:, :tokens].copy_(x)
+            if tokens < self.shared.bucket:
+                self.x[:, tokens:].zero_()
+        if self.owner.emulate:
+            self.graph_out = self._run()
+            self.out = self.graph_out.detach()
+        else:
+            self.fwd.replay()
+        self.generation += 1
+        return self.out[:, :tokens].clone()
+
+    def replay_backward(self, grad: torch.Tensor, generation: int) -> tuple:
+        if generation != self.generation:
+            raise RuntimeError(
+                f"nbkit cuda_graphs: decoder layer {self.index} ran its forward again before the backward of the "
+                "previous one (its graph keeps one forward's activations): run each forward's backward first, or "
+                "set cuda_graphs=False")
+        tokens = grad.shape[1]
+        buf = self.shared.grad_out
+        buf[:, :tokens].copy_(grad)
+        if tokens < self.shared.bucket:
+            buf[:, tokens:].zero_()
+        if self.owner.emulate:
+            grads = self._grad(self.graph_out)
+            self.graph_out = None
+        else:
+            if self.bwd is None:
+                self.capture_backward()
+            self.bwd.replay()
+            grads = self.grads
+        grads = list(grads)
+        grad_x = grads.pop(0)[:, :tokens].clone() if self.x.requires_grad else None
+        return grad_x, grads  # the parameters' static gradients: autograd clones or adds them into .grad
+
+
+def _check_output(out: Any) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"the layer returns {type(out).__name__}, not the hidden states tensor")
+    return out
+
+
+class _Replay(torch.autograd.Function):
+    """A layer's forward as one graph replay; its backward as another."""
+
+    @staticmethod
+    def forward(ctx, graphs: _LayerGraphs, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        out = graphs.replay_forward(x)
+        ctx.graphs, ctx.generation, ctx.x_grad = graphs, graphs.generation, x.requires_grad
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad_x, grads = ctx.graphs.replay_backward(grad.contiguous(), ctx.generation)
+        return (None, grad_x if ctx.x_grad else None, *grads)
+
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _hooked(layer: torch.nn.Module) -> bool:
+    """Whether a module inside ``layer`` (not the layer itself: its hooks run around the replay), or every module,
+    has hooks: they run in Python, so a graph would run them once, at its capture."""
+    from torch.nn.modules import module as nn_module
+
+    if any(getattr(nn_module, f"_global{name}", None) for name in _HOOKS):
+        return True
+    return any(getattr(m, name, None) for m in layer.modules() if m is not layer for name in _HOOKS)
+
+
+def _why_not_model(base: torch.nn.Module, layers: list[torch.nn.Module]) -> Optional[str]:
+    config = getattr(base, "config", None)
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    if any(getattr(text, key, None) for key in _MOE_CONFIG_KEYS):
+        return "a MoE model (its experts' shapes depend on the routing)"
+    if float(getattr(text, "attention_dropout", 0.0) or 0.0) > 0:
+        return "attention dropout > 0 (a graph would repeat its random numbers)"
+    for layer in layers:
+        for m in layer.modules():
+            if isinstance(m, torch.nn.Dropout) and m.p > 0:
+                return "dropout > 0 in a decoder layer (a graph would repeat its random numbers)"
+    return None
+
+
+class CudaGraphs:
+    """Replay un-checkpointed decoder layers as CUDA graphs, one set per token bucket (see module docstring).
+
+    Since the last attach (kept after detach): ``captured`` counts the (layer, bucket) pairs captured, ``replays``
+    the graphed layer calls, and ``eager`` the calls that ran eagerly, by reason.
+    """
+
+    name = "cuda_graphs"
+
+    def __init__(self, mode: Mode = "auto", max_tokens: int = MAX_TOKENS, emulate: bool = False) -> None:
+        check_value("cuda_graphs", mode)
+        self.mode, self.max_tokens, self.emulate = mode, max_tokens, emulate
+        self._ledger = PatchLedger(self.name)
+        self._said: set[str] = set()
+        self._reset()
+        self._count()
+
+    def _count(self) -> None:
+        self.captured = 0
+        self.replays = 0
+        self.eager: dict[str, int] = {}
+
+    def _reset(self) -> None:
+        self._layers: list[torch.nn.Module] = []
+        self._originals: list[Callable] = []
+        self._graphs: dict[tuple, Union[_LayerGraphs, str]] = {}  # its graphs, or why it has none
+        self._shared: dict[int, _Shared] = {}
+        self._pool: Any = None
+        self._layer_bytes: Optional[int] = None
+
+    @property
+    def engaged(self) -> bool:
+        """Whether any layer call has run as a graph replay."""
+        return self.replays > 0
+
+    # ------------------------------------------------------------------------------------------------ attach/detach
+    def attach(self, model: torch.nn.Module) -> bool:
+        self.detach()
+        self._count()
+        if self.mode is False:
+            return False
+        try:
+            from transformers.modeling_layers import GradientCheckpointingLayer
+        except ImportError:
+            self._say("old", "this transformers has no decoder layer class to find; stays off")
+            return False
+        base = unwrap_model(model)
+        layers = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
+        if not layers:
+            self._say("nolayers", f"no decoder layers found in {type(base).__name__}; stays off")
+            return False
+        param = next(base.parameters(), None)
+        if not self.emulate and (param is None or param.device.type != "cuda"):
+            self._say("cpu", "off (the model is not on a CUDA GPU)", logging.INFO)
+            return False
+        why = _why_not_model(base, layers)
+        if why:
+            self._say("model", f"off: {why}")
+            return False
+        kind = type(layers[0])
+        self._layers = [m for m in layers if type(m) is kind]
+        if not self.emulate:
+            self._pool = torch.cuda.graph_pool_handle()
+        for i, layer in enumerate(self._layers):
+            self._originals.append(layer.forward)
+            self._ledger.set(layer, "forward", self._wrapper(i, layer))
+        return True
+
+    def detach(self) -> None:
+        self._ledger.undo()
+        self._reset()
+
+    # ------------------------------------------------------------------------------------------------------- calls
+    def _wrapper(self, index: int, layer: torch.nn.Module) -> Callable:
+        original = self._originals[index]
+
+        def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            why = self._why_eager(layer, hidden_states, args, kwargs)
+            if why is None:
+                graphs = self._graphs_for(index, layer, hidden_states, kwargs)
+                if isinstance(graphs, _LayerGraphs):
+                    graphs.shared.load(hidden_states.shape[1], kwargs)
+                    self.replays += 1
+                    return _Replay.apply(graphs, hidden_states, *graphs.trainable)
+                why = graphs
+            self.eager[why] = self.eager.get(why, 0) + 1
+            return original(hidden_states, *args, **kwargs)
+
+        return forward
+
+    def _why_eager(self, layer: torch.nn.Module, x: Any, args: tuple, kwargs: dict) -> Optional[str]:
+        """None when this call can run on graphs; else a short reason (counted in ``eager``)."""
+        if not layer.training or not torch.is_grad_enabled():
+            return "not training"
+        if getattr(layer, "gradient_checkpointing", False):
+            return "checkpointed layer"
+        if args or not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[0] != 1:
+            return "not one padding-free row"
+        run = kwargs.get("nbkit_run")
+        if not isinstance(run, PackedRun):
+            return "no packed metadata (cached_packing off)"
+        if not self.emulate and run.kernel not in _FUSED_KERNELS:
+            return "attention kernel without static shapes (not varlen / flash_attn)"
+        if any(kwargs.get(k) is not None for k in _NONE_KWARGS) or kwargs.get("use_cache"):
+            return "a mask or KV cache argument"
+        pe = kwargs.get("position_embeddings")
+        if not (isinstance(pe, tuple) and len(pe) == 2 and all(isinstance(t, torch.Tensor) and t.dim() == 3
+                                                               and t.shape[1] == x.shape[1] for t in pe)):
+            return "no (cos, sin) position embeddings of the row's length"
+        for key, value in kwargs.items():
+            if not isinstance(value, torch.Tensor) or key in ("cu_seq_lens_q", "cu_seq_lens_k", *_DROPPED_KWARGS):
+                continue
+            if key not in TOKENWISE_KWARGS or value.shape[-1] != x.shape[1]:
+                return f"a tensor argument the graph cannot take ({key})"
+        bucket = bucket_for(x.shape[1], self.max_tokens)
+        if bucket is None:
+            return f"more than {self.max_tokens} tokens"
+        if run.cu_q.numel() - 1 > doc_capacity(bucket):
+            return "more documents than the bucket holds"
+        return None
+
+    def _graphs_for(self, index: int, layer: torch.nn.Module, x: torch.Tensor, kwargs: dict) -> Any:
+        """This layer's graphs for the call's bucket, captured now if new; a reason string when none can be."""
+        bucket = bucket_for(x.shape[1], self.max_tokens)
+        constants = tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int, float, str))
+                                 and k not in ("max_length_q", "max_length_k")))
+        autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
+        tokenwise = tuple(k for k in TOKENWISE_KWARGS if kwargs.get(k) is not None)
+        key = (index, bucket, x.requires_grad, autocast, constants, tokenwise)
+        graphs = self._graphs.get(key, _NEW)
+        if graphs is not _NEW:
+            return graphs  # its graphs, or why it has none
+        if sum(k[0] == index for k in self._graphs) >= MAX_VARIANTS:
+            return "too many graph variants for one layer"
+        if _hooked(layer):
+            self._graphs[key] = "hooks inside the layer"
+            self._say(f"hooks{index}", f"layer {index} runs eagerly: a module inside it has hooks (they would run "
+                      "at the capture only)")
+            return self._graphs[key]
+        why = self._memory_problem(x.device)
+        if why:
+            self._graphs[key] = "no memory for more graphs"
+            self._say(f"mem{bucket}", f"layers from {index} on run eagerly at {bucket} tokens: {why}")
+            return self._graphs[key]
+        shared = self._shared.get(bucket)
+        if shared is None:
+            shared = self._shared[bucket] = _Shared(bucket, kwargs["nbkit_run"].kernel, x.device, kwargs)
+        shared.load(x.shape[1], kwargs)
+        graphs = _LayerGraphs(self, index, layer, shared, x, kwargs)
+        before = torch.cuda.memory_allocated(x.device) if x.is_cuda else 0
+        try:
+            graphs.capture_forward()
+        except Exception as err:  # noqa: BLE001 - an op that cannot be captured: this layer stays eager
+            self._graphs[key] = "capture failed"
+            self._say(f"fail{index}", f"layer {index} at {bucket} tokens runs eagerly: its capture failed "
+                      f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+            return self._graphs[key]
+        if x.is_cuda:
+            grown = torch.cuda.memory_allocated(x.device) - before  # what the forward's graph keeps
+            self._layer_bytes = max(self._layer_bytes or 0, 2 * grown)  # the backward's graph comes on top
+        self._graphs[key] = graphs
+        self.captured += 1
+        if self.captured == 1:
+            self._say("on", f"decoder layers replay as CUDA graphs (buckets of up to {self.max_tokens} tokens)",
+                      logging.INFO)
+        return graphs
+
+    def _memory_problem(self, device: torch.device) -> Optional[str]:
+        if device.type != "cuda" or self._layer_bytes is None:
+            return None
+        free, total = torch.cuda.mem_get_info(device)
+        if free - self._layer_bytes < RESERVE * total:
+            return (f"{free / 2**30:.1f} GiB free, a layer's graphs take ~{self._layer_bytes / 2**30:.2f} GiB and "
+                    f"{RESERVE:.0%} of the GPU stays free")
+        return None
+
+    def _say(self, key: str, msg: str, level: int = logging.WARNING) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            logger.log(level, "nbkit cuda_graphs: %s", msg)

@@ -1,0 +1,173 @@
+"""``cuda_graphs`` on a CUDA GPU in bf16, every other switch at its default: real captures and replays train as the
+eager layers do.
+
+Tolerance: the LoRA gradients of every step within max(2 x the eager run's own run-to-run difference, 2e-2)
+relative, losses within 1e-2 relative. A padded bucket changes the GEMMs' row counts (other bf16 roundings in the
+reductions over tokens); the padding itself adds exactly zero (checked on CPU, ``tests/test_cuda_graphs.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             num_hidden_layers=4)
+STEPS = 4
+
+
+class _Grads(TrainerCallback):
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.steps.append({n: p.grad.detach().float().clone() for n, p in model.named_parameters()
+                           if p.grad is not None})
+
+
+def _rel(a: dict, b: dict) -> float:
+    return max(float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-12)) for n in b)
+
+
+def _graphs_of(trainer):
+    from nbkit.speedups.cuda_graphs import CudaGraphs
+
+    return next((s for s in trainer._train_stage.attached if isinstance(s, CudaGraphs)), None)
+
+
+def _train(tmp_path, tag: str, build, graphs, checkpointing: bool = True, **kw):
+    from nbkit import FastSFT, FastSFTConfig
+    from nbkit.demo.data import make_dataset
+    from nbkit.demo.tokenizer import load_demo_tokenizer
+
+    tok = load_demo_tokenizer()
+    model, peft_config = build(tok)
+    args = FastSFTConfig(output_dir=str(tmp_path / tag), max_steps=STEPS, per_device_train_batch_size=2,
+                         gradient_accumulation_steps=2, packing=True, max_length=512, bf16=True, learning_rate=1e-2,
+                         optim="sgd", logging_steps=1, report_to=[], save_strategy="no", seed=0,
+                         shuffle_dataset=False, gradient_checkpointing=checkpointing,
+                         gradient_checkpointing_kwargs={"use_reentrant": False}, live_dashboard=False,
+                         cuda_graphs=graphs, **kw)
+    grads = _Grads()
+    torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    trainer = FastSFT(model=model, args=args, train_dataset=make_dataset("messages", n=300), processing_class=tok,
+                      peft_config=peft_config, callbacks=[grads])
+    stats = {}
+    orig_detach = trainer._train_stage.detach
+
+    def detach():  # read the speedup's counters before the trainer lets go of it
+        g = _graphs_of(trainer)
+        if g is not None:
+            stats.update(captured=g.captured, replays=g.replays, eager=dict(g.eager))
+        orig_detach()
+
+    trainer._train_stage.detach = detach
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, grads.steps, stats, trainer.nbkit_attached
+
+
+def _bf16(tok):
+    from peft import LoraConfig
+
+    from nbkit.demo.models import tiny_model
+
+    model = tiny_model("qwen3", len(tok), dtype=torch.bfloat16, pad_token_id=tok.pad_token_id, seed=0, **SHAPE)
+    return model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
+
+
+def _four_bit(folder):
+    def build(tok):
+        from nbkit.demo.models import tiny_model
+        from nbkit.loading import load_model
+
+        if not (folder / "config.json").exists():
+            tiny_model("qwen3", len(tok), pad_token_id=tok.pad_token_id, seed=0, **SHAPE).save_pretrained(folder)
+            tok.save_pretrained(folder)
+        torch.manual_seed(0)
+        model, _ = load_model(str(folder), load_in_4bit=True, dtype=torch.bfloat16, lora_r=8)
+        return model, None
+
+    return build
+
+
+def _check(eager, again, graphed, checkpointing: bool) -> None:
+    noise = max(_rel(a, b) for a, b in zip(again[1], eager[1]))
+    err = max(_rel(a, b) for a, b in zip(graphed[1], eager[1]))
+    stats = graphed[2]
+    print(f"losses {eager[0]} vs {graphed[0]}; LoRA gradients: eager vs eager {noise:.2e}, graphs vs eager "
+          f"{err:.2e}; {stats}; attached {graphed[3]}")
+    assert graphed[0] == pytest.approx(eager[0], rel=1e-2)
+    assert err <= max(2 * noise, 2e-2)
+    assert stats["replays"] > 0 and stats["captured"] > 0
+    assert set(stats["eager"]) <= ({"checkpointed layer"} if checkpointing else set())
+    assert "cuda_graphs" in graphed[3] and "cuda_graphs" not in eager[3]
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_graphs_train_as_the_eager_layers_in_bf16(tmp_path, checkpointing):
+    eager = _train(tmp_path, "eager", _bf16, False, checkpointing)
+    again = _train(tmp_path, "again", _bf16, False, checkpointing)
+    graphed = _train(tmp_path, "graphs", _bf16, "auto", checkpointing)
+    _check(eager, again, graphed, checkpointing)
+
+
+def test_graphs_train_as_the_eager_layers_on_a_4bit_base(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    build = _four_bit(tmp_path / "base")
+    eager = _train(tmp_path, "eager", build, False)
+    again = _train(tmp_path, "again", build, False)
+    graphed = _train(tmp_path, "graphs", build, "auto")
+    _check(eager, again, graphed, True)
+
+
+def test_a_replayed_layer_matches_its_eager_forward_and_backward_bucket_by_bucket():
+    """One decoder layer, rows of 300, 1000 and 2048 tokens (buckets 384, 1024, 2048), the same row twice (a replay
+    of a captured graph, not a first capture): outputs and gradients against the eager layer, to bf16 rounding."""
+    from peft import LoraConfig, get_peft_model
+
+    from nbkit.demo.models import tiny_model
+    from nbkit.ops.packed_boundaries import metadata_from_lengths
+    from nbkit.speedups.cuda_graphs import CudaGraphs
+    from nbkit.speedups.fused_lora import FusedLoRA
+    from nbkit.speedups.packed_attention import PackedAttention
+
+    torch.manual_seed(0)
+    model = tiny_model("qwen3", 512, dtype=torch.bfloat16, seed=0, **SHAPE).cuda()
+    model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0)).train()
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.02)
+    rows = [[100, 200], [1000], [512, 512, 1024], [100, 200]]
+
+    def run(with_graphs: bool):
+        speedups = [PackedAttention(kernel="varlen"), FusedLoRA()] + ([CudaGraphs(mode=True)] if with_graphs else [])
+        for s in speedups:
+            assert s.attach(model)
+        out = []
+        try:
+            for i, lengths in enumerate(rows):
+                meta = metadata_from_lengths(lengths)
+                batch = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in meta.items()}
+                ids = torch.randint(0, 512, (1, sum(lengths)), device="cuda",
+                                    generator=torch.Generator("cuda").manual_seed(i % 3))
+                model.zero_grad(set_to_none=True)
+                loss = model(input_ids=ids, labels=ids, use_cache=False, **batch).loss
+                loss.backward()
+                out.append((loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters()
+                                          if p.grad is not None}))
+        finally:
+            for s in reversed(speedups):
+                s.detach()
+        return out, speedups[-1]
+
+    eager, _ = run(False)
+    graphed, graphs = run(True)
+    assert graphs.eager == {} and graphs.replays == 4 * len(rows) and graphs.captured == 4 * 3
+    for (le, ge), (lg, gg) in zip(eager, graphed):
+        assert lg == pytest.approx(le, rel=5e-3)
+        assert _rel(gg, ge) < 3e-2

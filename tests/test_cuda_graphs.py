@@ -1,0 +1,234 @@
+"""``cuda_graphs``: buckets, padding, static metadata and the replay's autograd plumbing, on CPU through emulation.
+
+On a CPU there are no graphs; ``CudaGraphs(emulate=True)`` runs the same static buffers, buckets, padding document
+and autograd function with an eager re-run of the layer in place of each replay. What these tests prove is what the
+graphs' dataflow does to the numbers: a micro-batch padded into its bucket gives the eager layers' loss and LoRA
+gradients (fp32, to 1e-5 relative: only the GEMMs' row counts differ), the padding never leaks into real tokens, and
+every call a graph cannot take runs eagerly with its reason counted. The GPU test
+(``tests/gpu/test_cuda_graphs_gpu.py``) checks the same parity with real captures.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import TrainerCallback
+
+from nbkit import FastSFT, FastSFTConfig
+from nbkit.demo.data import make_dataset
+from nbkit.demo.models import tiny_model
+from nbkit.demo.tokenizer import load_demo_tokenizer
+from nbkit.ops.packed_boundaries import metadata_from_lengths
+from nbkit.speedups import SPEEDUPS, SpeedupSpec
+from nbkit.speedups import cuda_graphs as graphs_mod
+from nbkit.speedups.cuda_graphs import BUCKETS, CudaGraphs, bucket_for, doc_capacity
+from nbkit.speedups.fused_lora import FusedLoRA
+from nbkit.speedups.packed_attention import PackedAttention
+
+VOCAB = 97
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def test_buckets_hold_every_length_up_to_the_largest_and_grow_by_at_most_half():
+    assert bucket_for(1) == 256 and bucket_for(256) == 256 and bucket_for(257) == 384
+    assert bucket_for(1919) == 2048 and bucket_for(2049) == 3072 and bucket_for(8192) == 8192
+    assert bucket_for(8193) is None and bucket_for(2049, max_tokens=2048) is None
+    assert all(b / a <= 1.5 for a, b in zip(BUCKETS, BUCKETS[1:]))
+    assert doc_capacity(256) == 16 and doc_capacity(2048) == 32 and doc_capacity(8192) == 128
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    model = tiny_model("qwen3", VOCAB, seed=seed)
+    torch.manual_seed(seed)  # PEFT initializes LoRA A from the global generator
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
+    with torch.no_grad():  # LoRA B starts at zero: give it values so every LoRA gradient is non-trivial
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
+    model.train()
+    return model
+
+
+def _batch(lengths: list[int], seed: int) -> dict:
+    meta = metadata_from_lengths(lengths)
+    ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids, "use_cache": False, **meta}  # use_cache: as TRL's compute_loss
+
+
+def _steps(model, batches, *speedups) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    attached = [s for s in speedups if s.attach(model)]
+    assert len(attached) == len(speedups)
+    losses, grads = [], []
+    try:
+        for batch in batches:
+            model.zero_grad(set_to_none=True)
+            loss = model(**batch).loss
+            loss.backward()
+            losses.append(loss.item())
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    finally:
+        for s in reversed(attached):
+            s.detach()
+    return losses, grads
+
+
+def _close(a: list[dict], b: list[dict]) -> None:
+    for ga, gb in zip(a, b):
+        assert ga.keys() == gb.keys() and len(ga) > 0
+        for name in ga:
+            torch.testing.assert_close(ga[name], gb[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+# lengths: several documents, a row that fills its bucket exactly, a row in a smaller bucket
+BATCHES = [[120, 80, 100], [256, 128], [50, 150, 40], [120, 80, 100]]
+
+
+def test_padded_replays_give_the_eager_layers_loss_and_lora_gradients():
+    batches = [_batch(lengths, seed) for seed, lengths in enumerate(BATCHES)]
+    plain = _steps(_model(), batches, PackedAttention(kernel="sdpa"), FusedLoRA())
+    graphs = CudaGraphs(mode=True, emulate=True)
+    graphed = _steps(_model(), batches, PackedAttention(kernel="sdpa"), FusedLoRA(), graphs)
+    torch.testing.assert_close(graphed[0], plain[0], rtol=1e-5, atol=0)
+    _close(graphed[1], plain[1])
+    layers = 4  # tiny_model's qwen3
+    assert graphs.eager == {}
+    assert graphs.replays == layers * len(BATCHES)
+    assert graphs.captured == layers * 2  # buckets 384 (300 tokens, 384) and 256 (240 tokens)
+
+
+def test_the_padding_is_its_own_document_with_a_zero_gradient():
+    """A bucket's padding, filled with anything finite, changes no real token's output or gradient."""
+    batch = _batch([100, 60], seed=3)  # 160 tokens in the 256 bucket
+    graphs = CudaGraphs(mode=True, emulate=True)
+    model = _model()
+    for s in (PackedAttention(kernel="sdpa"), FusedLoRA(), graphs):
+        assert s.attach(model)
+    entry = next(g for g in graphs._graphs.values()) if graphs._graphs else None
+    assert entry is None
+    model(**batch).loss.backward()
+    entry = next(iter(graphs._graphs.values()))
+    assert entry.x.shape[1] == 256
+    assert entry.shared.cu_q[:4].tolist() == [0, 100, 160, 256]  # the real documents, then the padding's end
+    assert set(entry.shared.cu_q[4:].tolist()) == {256}  # zero-length documents after it
+    assert torch.count_nonzero(entry.shared.grad_out[:, 160:]) == 0
+    assert torch.count_nonzero(entry.x[:, 160:]) == 0
+
+
+def test_a_second_forward_before_the_backward_is_refused():
+    model = _model()
+    speedups = [PackedAttention(kernel="sdpa"), FusedLoRA(), CudaGraphs(mode=True, emulate=True)]
+    for s in speedups:
+        s.attach(model)
+    batch = _batch([100, 60], seed=1)
+    first = model(**batch).loss
+    model(**batch).loss.backward()
+    with pytest.raises(RuntimeError, match="forward again before the backward"):
+        first.backward()
+
+
+def test_calls_a_graph_cannot_take_run_eagerly_with_their_reason():
+    model = _model()
+    graphs = CudaGraphs(mode=True, emulate=True, max_tokens=256)
+    for s in (PackedAttention(kernel="sdpa"), FusedLoRA(), graphs):
+        s.attach(model)
+    many_docs = _batch([8] * 20, seed=4)  # 20 documents: above the 256 bucket's 16
+    long_row = _batch([200, 100], seed=5)  # 300 tokens: above max_tokens
+    model(**many_docs).loss.backward()
+    model(**long_row).loss.backward()
+    model.eval()
+    with torch.no_grad():
+        model(**_batch([100], seed=6))
+    assert graphs.replays == 0 and graphs.captured == 0
+    assert graphs.eager == {"more documents than the bucket holds": 4, "more than 256 tokens": 4,
+                            "not training": 4}  # 4 layers
+
+
+def test_a_layer_with_hooks_inside_runs_eagerly():
+    """A hook runs in Python: a graph would run it once, at capture. The layer's own hooks run around the replay."""
+    model = _model()
+    graphs = CudaGraphs(mode=True, emulate=True)
+    for s in (PackedAttention(kernel="sdpa"), FusedLoRA(), graphs):
+        s.attach(model)
+    layers = model.get_base_model().model.layers
+    seen = []
+    layers[1].self_attn.register_forward_pre_hook(lambda *a: seen.append(1))
+    layers[2].register_forward_hook(lambda *a: seen.append(2))
+    for seed in range(2):
+        model(**_batch([100, 60], seed=seed)).loss.backward()
+    assert graphs.eager == {"hooks inside the layer": 2}
+    assert seen == [1, 2, 1, 2]
+    assert graphs.replays == 6
+
+
+def test_it_does_not_attach_where_graphs_cannot_repeat_the_step():
+    moe = get_peft_model(tiny_model("qwen3_moe", VOCAB), LoraConfig(r=4, target_modules=["q_proj"]))
+    assert CudaGraphs(mode=True, emulate=True).attach(moe) is False
+    dropout = get_peft_model(tiny_model("qwen3", VOCAB, attention_dropout=0.1), LoraConfig(r=4, target_modules=["q_proj"]))
+    assert CudaGraphs(mode=True, emulate=True).attach(dropout) is False
+    lora_dropout = get_peft_model(tiny_model("qwen3", VOCAB), LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.1))
+    assert CudaGraphs(mode=True, emulate=True).attach(lora_dropout) is False
+    assert CudaGraphs(mode=True).attach(_model()) is False  # on a CPU without emulation
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FastSFT: the switch in the table, attached at train time, engaged after selective_checkpointing decides
+
+
+class _Grads(TrainerCallback):
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+
+def _train(tmp_path, monkeypatch, graphs_on: bool, checkpointing: bool):
+    built: list[CudaGraphs] = []
+
+    def emulated(args, packed, dataset=None):
+        if not graphs_on:
+            return None
+        built.append(CudaGraphs(mode=True, emulate=True))
+        return built[-1]
+
+    table = tuple(SpeedupSpec(s.switch, s.stage, emulated) if s.switch == "cuda_graphs" else s for s in SPEEDUPS)
+    monkeypatch.setattr("nbkit.speedups.SPEEDUPS", table)
+    tok = load_demo_tokenizer()
+    model = tiny_model("qwen3", len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
+    args = FastSFTConfig(
+        output_dir=str(tmp_path / f"g{graphs_on}{checkpointing}"), max_steps=3, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
+        max_length=128, packing=True, gradient_checkpointing=checkpointing,
+        selective_checkpointing=True if checkpointing else False, seed=0, data_seed=0,
+        dataloader_num_workers=0, use_cpu=True, bf16=False, fp16=False)
+    grads = _Grads()
+    trainer = FastSFT(model=model, args=args, train_dataset=make_dataset("messages", n=48), processing_class=tok,
+                      peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0),
+                      callbacks=[grads])
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, grads.steps, trainer.nbkit_attached, (built[0] if built else None)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_fastsft_with_graphs_trains_as_without(tmp_path, monkeypatch, checkpointing):
+    plain = _train(tmp_path, monkeypatch, graphs_on=False, checkpointing=checkpointing)
+    graphed = _train(tmp_path, monkeypatch, graphs_on=True, checkpointing=checkpointing)
+    torch.testing.assert_close(graphed[0], plain[0], rtol=1e-5, atol=0)
+    _close(graphed[1], plain[1])
+    speedup = graphed[3]
+    assert "cuda_graphs" in graphed[2] and "cuda_graphs" not in plain[2]
+    assert speedup.replays > 0 and speedup.captured > 0
+    if checkpointing:  # step 1 ran every layer checkpointed, as asked; the decision un-checkpointed them
+        assert speedup.eager.get("checkpointed layer", 0) > 0
+    assert set(speedup.eager) <= {"checkpointed layer"}
+    assert not speedup._graphs  # detached: graphs dropped
+
+
+def test_the_switch_is_in_the_table_and_off_on_a_cpu():
+    assert [s.switch for s in SPEEDUPS][-1] == "cuda_graphs"
+    spec = next(s for s in SPEEDUPS if s.switch == "cuda_graphs")
+    assert spec.build(FastSFTConfig(output_dir="x", use_cpu=True, report_to=[]), True) is None
+    assert spec.build(FastSFTConfig(output_dir="x", cuda_graphs=False, report_to=[]), True) is None
+    assert graphs_mod.MAX_TOKENS in BUCKETS
