@@ -14,11 +14,11 @@ How:
   Only the GEMMs' shapes change: results agree with the eager layer to rounding.
 - Static metadata. The varlen kernels read ``cu_seqlens`` from one static buffer per bucket (copied once per forward)
   with the bucket's length as the bound; cos/sin and position ids likewise. Nothing is read on the host.
-- Capture, lazily and in replay order: a layer's forward graph at its first call in a bucket (after one eager
-  forward and backward on a side stream, so kernels are compiled and workspaces exist), its backward graph at its
-  first backward. Every graph shares one memory pool: graphs are captured in the order they replay (forwards in
-  layer order, backwards in reverse), and the graphs of two buckets never interleave, which is what makes sharing
-  safe; a bucket's saved activations then reuse another bucket's memory.
+- Capture, per bucket at its first call: every eligible layer's forward graph in layer order (each after one eager
+  forward and backward on a side stream, so kernels are compiled and workspaces exist), then every backward graph in
+  reverse, before any replay has written the static inputs that autograd saved. That is the order they replay in,
+  which is what lets the graphs of one capture share one memory pool. A layer that becomes eligible later (the one
+  whose call decided ``selective_checkpointing``) is captured at its next call, in a pool of its own.
 - Replay: an autograd function taking the hidden states and the layer's trainable parameters; its backward copies
   the incoming gradient into the static buffer, replays, and returns the static gradients (cloned for the input).
 
@@ -50,15 +50,14 @@ logger = logging.getLogger(__name__)
 Mode = Union[bool, Literal["auto"]]
 BUCKETS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 MAX_TOKENS = 8192  # beyond this a layer's kernels are long enough to hide their launches: eager
-MIN_DOCS = 16  # documents a bucket holds at least; more: tokens / 64 (its padding document not counted)
-MAX_VARIANTS = 2 * len(BUCKETS)  # graphs of one layer (buckets x input states): beyond, eager
+MIN_DOCS, MAX_DOCS = 16, 256  # documents a bucket holds: tokens / 8 within these (its padding document on top)
+MAX_CAPTURES = 2 * len(BUCKETS)  # capture calls (buckets, argument states, layers un-checkpointed late)
 RESERVE = 0.10  # of the GPU's memory left free when capturing another layer's graphs
 _FUSED_KERNELS = (KERNEL_FNS["varlen"], KERNEL_FNS["flash_attn"])
 TOKENWISE_KWARGS = ("position_ids", "cache_position", "seq_idx")  # one value per token: copied into static twins
 _NONE_KWARGS = ("attention_mask", "past_key_values", "past_key_value", "cache")
 _DROPPED_KWARGS = ("nbkit_cu_seqlens_host", "num_items_in_batch")  # read by no kernel in a decoder layer
 _MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-_NEW = object()
 
 
 def bucket_for(tokens: int, max_tokens: int = MAX_TOKENS) -> Optional[int]:
@@ -73,7 +72,7 @@ def bucket_for(tokens: int, max_tokens: int = MAX_TOKENS) -> Optional[int]:
 
 def doc_capacity(bucket: int) -> int:
     """Real documents a bucket's static ``cu_seqlens`` holds (its padding document comes on top)."""
-    return max(MIN_DOCS, bucket // 64)
+    return min(MAX_DOCS, max(MIN_DOCS, bucket // 8))
 
 
 class _Shared:
@@ -133,16 +132,15 @@ class _LayerGraphs:
     """One layer's graphs in one bucket: static input, forward and backward graphs, static gradients."""
 
     def __init__(self, owner: CudaGraphs, index: int, layer: torch.nn.Module, shared: _Shared,
-                 x: torch.Tensor, kwargs: dict) -> None:
-        self.owner, self.index, self.shared = owner, index, shared
+                 x: torch.Tensor, x_grad: bool, kwargs: dict, pool: Any) -> None:
+        self.owner, self.index, self.shared, self.pool = owner, index, shared, pool
         self.forward_fn = owner._originals[index]
         self.kwargs = shared.kwargs(kwargs)
         self.trainable = tuple(p for p in layer.parameters() if p.requires_grad)
-        self.x = torch.zeros((1, shared.bucket, x.shape[-1]), dtype=x.dtype, device=x.device,
-                             requires_grad=x.requires_grad)
+        self.x = torch.zeros((1, shared.bucket, x.shape[-1]), dtype=x.dtype, device=x.device, requires_grad=x_grad)
         if shared.grad_out is None:
             shared.grad_out = torch.zeros_like(self.x, requires_grad=False)
-        self.inputs = ((self.x,) if x.requires_grad else ()) + self.trainable
+        self.inputs = ((self.x,) if x_grad else ()) + self.trainable
         self.autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
         self.out: Optional[torch.Tensor] = None  # static output
         self.graph_out: Optional[torch.Tensor] = None  # the captured output, kept for the backward's capture
@@ -172,13 +170,15 @@ class _LayerGraphs:
             self._grad(self._run())
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.owner._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = _check_output(self._run())
         self.fwd, self.out, self.graph_out = graph, out.detach(), out
 
     def capture_backward(self) -> None:
+        if self.owner.emulate:
+            return
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.owner._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             grads = self._grad(self.graph_out)
         self.bwd, self.grads, self.graph_out = graph, grads, None
 
@@ -212,8 +212,6 @@ class _LayerGraphs:
             grads = self._grad(self.graph_out)
             self.graph_out = None
         else:
-            if self.bwd is None:
-                self.capture_backward()
             self.bwd.replay()
             grads = self.grads
         grads = list(grads)
@@ -296,7 +294,7 @@ class CudaGraphs:
         self._originals: list[Callable] = []
         self._graphs: dict[tuple, Union[_LayerGraphs, str]] = {}  # its graphs, or why it has none
         self._shared: dict[int, _Shared] = {}
-        self._pool: Any = None
+        self._captures = 0
         self._layer_bytes: Optional[int] = None
 
     @property
@@ -330,8 +328,6 @@ class CudaGraphs:
             return False
         kind = type(layers[0])
         self._layers = [m for m in layers if type(m) is kind]
-        if not self.emulate:
-            self._pool = torch.cuda.graph_pool_handle()
         for i, layer in enumerate(self._layers):
             self._originals.append(layer.forward)
             self._ledger.set(layer, "forward", self._wrapper(i, layer))
@@ -349,11 +345,11 @@ class CudaGraphs:
             why = self._why_eager(layer, hidden_states, args, kwargs)
             if why is None:
                 graphs = self._graphs_for(index, layer, hidden_states, kwargs)
-                if isinstance(graphs, _LayerGraphs):
+                if isinstance(graphs, _LayerGraphs) and graphs.x.requires_grad == hidden_states.requires_grad:
                     graphs.shared.load(hidden_states.shape[1], kwargs)
                     self.replays += 1
                     return _Replay.apply(graphs, hidden_states, *graphs.trainable)
-                why = graphs
+                why = graphs if isinstance(graphs, str) else "the input's requires_grad differs from the capture's"
             self.eager[why] = self.eager.get(why, 0) + 1
             return original(hidden_states, *args, **kwargs)
 
@@ -391,58 +387,84 @@ class CudaGraphs:
         return None
 
     def _graphs_for(self, index: int, layer: torch.nn.Module, x: torch.Tensor, kwargs: dict) -> Any:
-        """This layer's graphs for the call's bucket, captured now if new; a reason string when none can be."""
+        """This layer's graphs for the call's bucket (the bucket captured now, from this layer on, if new); a
+        reason string when it has none."""
         bucket = bucket_for(x.shape[1], self.max_tokens)
         constants = tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int, float, str))
                                  and k not in ("max_length_q", "max_length_k")))
         autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
         tokenwise = tuple(k for k in TOKENWISE_KWARGS if kwargs.get(k) is not None)
-        key = (index, bucket, x.requires_grad, autocast, constants, tokenwise)
-        graphs = self._graphs.get(key, _NEW)
-        if graphs is not _NEW:
-            return graphs  # its graphs, or why it has none
-        if sum(k[0] == index for k in self._graphs) >= MAX_VARIANTS:
-            return "too many graph variants for one layer"
-        if _hooked(layer):
-            self._graphs[key] = "hooks inside the layer"
-            self._say(f"hooks{index}", f"layer {index} runs eagerly: a module inside it has hooks (they would run "
-                      "at the capture only)")
-            return self._graphs[key]
-        why = self._memory_problem(x.device)
-        if why:
-            self._graphs[key] = "no memory for more graphs"
-            self._say(f"mem{bucket}", f"layers from {index} on run eagerly at {bucket} tokens: {why}")
-            return self._graphs[key]
+        variant = (bucket, autocast, constants, tokenwise)
+        entry = self._graphs.get((index, variant))
+        if entry is None or entry == "checkpointed layer":  # new, or un-checkpointed since its bucket's capture
+            if self._captures >= MAX_CAPTURES:
+                return "too many captures"
+            self._capture(index, variant, x, kwargs)
+            entry = self._graphs[(index, variant)]
+        return entry
+
+    def _capture(self, first: int, variant: tuple, x: torch.Tensor, kwargs: dict) -> None:
+        """Capture one variant's graphs for every eligible layer from ``first`` on that has none yet: all forwards
+        in layer order, then all backwards in reverse, the order they replay in, so the captures of one call share
+        one memory pool (each call its own: a layer captured later replays between the others), and each backward
+        before any replay has written the static inputs autograd saved."""
+        self._captures += 1
+        pool = None if self.emulate else torch.cuda.graph_pool_handle()
+        bucket = variant[0]
         shared = self._shared.get(bucket)
         if shared is None:
             shared = self._shared[bucket] = _Shared(bucket, kwargs["nbkit_run"].kernel, x.device, kwargs)
         shared.load(x.shape[1], kwargs)
-        graphs = _LayerGraphs(self, index, layer, shared, x, kwargs)
-        before = torch.cuda.memory_allocated(x.device) if x.is_cuda else 0
+        captured: list[_LayerGraphs] = []
+        attempted: list[int] = []
+        x_grad = x.requires_grad
         try:
-            graphs.capture_forward()
-        except Exception as err:  # noqa: BLE001 - an op that cannot be captured: this layer stays eager
-            self._graphs[key] = "capture failed"
-            self._say(f"fail{index}", f"layer {index} at {bucket} tokens runs eagerly: its capture failed "
+            for i in range(first, len(self._layers)):
+                layer, entry = self._layers[i], self._graphs.get((i, variant))
+                if entry is not None and entry != "checkpointed layer":  # captured, or a lasting reason
+                    x_grad = True
+                    continue
+                why = "checkpointed layer" if getattr(layer, "gradient_checkpointing", False) else (
+                    "hooks inside the layer" if _hooked(layer) else self._memory_problem(x.device))
+                if why:
+                    self._graphs[(i, variant)] = why
+                    if why == "hooks inside the layer":
+                        self._say(f"hooks{i}", f"layer {i} runs eagerly: a module inside it has hooks (they would "
+                                  "run at the capture only)")
+                    elif why.startswith("no memory"):
+                        self._say(f"mem{bucket}", f"layer {i} on run eagerly at {bucket} tokens: {why}")
+                    x_grad = True  # an eager layer's output: it needs grad when anything before it trains
+                    continue
+                attempted.append(i)
+                graphs = _LayerGraphs(self, i, layer, shared, x, x_grad, kwargs, pool)
+                before = torch.cuda.memory_allocated(x.device) if x.is_cuda else 0
+                graphs.capture_forward()
+                if x.is_cuda:  # what the forward's graph keeps, twice: the backward's graph comes on top
+                    self._layer_bytes = max(self._layer_bytes or 0, 2 * (torch.cuda.memory_allocated(x.device) - before))
+                captured.append(graphs)
+                x_grad = x_grad or bool(graphs.trainable)
+            for graphs in reversed(captured):
+                graphs.capture_backward()
+        except Exception as err:  # noqa: BLE001 - an op that cannot be captured: the bucket stays eager
+            for i in attempted:
+                self._graphs[(i, variant)] = "capture failed"
+            self._say(f"fail{bucket}", f"layers run eagerly at {bucket} tokens: their capture failed "
                       f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
-            return self._graphs[key]
-        if x.is_cuda:
-            grown = torch.cuda.memory_allocated(x.device) - before  # what the forward's graph keeps
-            self._layer_bytes = max(self._layer_bytes or 0, 2 * grown)  # the backward's graph comes on top
-        self._graphs[key] = graphs
-        self.captured += 1
-        if self.captured == 1:
+            return
+        for graphs in captured:
+            self._graphs[(graphs.index, variant)] = graphs
+        self.captured += len(captured)
+        if captured:
             self._say("on", f"decoder layers replay as CUDA graphs (buckets of up to {self.max_tokens} tokens)",
                       logging.INFO)
-        return graphs
 
     def _memory_problem(self, device: torch.device) -> Optional[str]:
         if device.type != "cuda" or self._layer_bytes is None:
             return None
         free, total = torch.cuda.mem_get_info(device)
         if free - self._layer_bytes < RESERVE * total:
-            return (f"{free / 2**30:.1f} GiB free, a layer's graphs take ~{self._layer_bytes / 2**30:.2f} GiB and "
-                    f"{RESERVE:.0%} of the GPU stays free")
+            return (f"no memory for more graphs ({free / 2**30:.1f} GiB free, a layer's graphs take "
+                    f"~{self._layer_bytes / 2**30:.2f} GiB and {RESERVE:.0%} of the GPU stays free)")
         return None
 
     def _say(self, key: str, msg: str, level: int = logging.WARNING) -> None:
