@@ -136,11 +136,18 @@ class _LayerGraphs:
         self.owner, self.index, self.shared, self.pool = owner, index, shared, pool
         self.forward_fn = owner._originals[index]
         self.kwargs = shared.kwargs(kwargs)
-        self.trainable = tuple(p for p in layer.parameters() if p.requires_grad)
+        # the graphs differentiate stand-ins of the trainable parameters (sharing their memory): an autograd node of
+        # the real ones kept alive by the caller (a loss) would pin the capture's gradients to its stream
+        slots = [(m, n, p) for m in layer.modules() for n, p in m._parameters.items() if p is not None and p.requires_grad]
+        stand_ins: dict[int, torch.nn.Parameter] = {}
+        for _, _, p in slots:
+            stand_ins.setdefault(id(p), torch.nn.Parameter(p.detach(), requires_grad=True))
+        self.trainable = tuple({id(p): p for _, _, p in slots}.values())
+        self._slots = [(m, n, p, stand_ins[id(p)]) for m, n, p in slots]
         self.x = torch.zeros((1, shared.bucket, x.shape[-1]), dtype=x.dtype, device=x.device, requires_grad=x_grad)
         if shared.grad_out is None:
             shared.grad_out = torch.zeros_like(self.x, requires_grad=False)
-        self.inputs = ((self.x,) if x_grad else ()) + self.trainable
+        self.inputs = ((self.x,) if x_grad else ()) + tuple(stand_ins[id(p)] for p in self.trainable)
         self.autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
         self.out: Optional[torch.Tensor] = None  # static output
         self.graph_out: Optional[torch.Tensor] = None  # the captured output, kept for the backward's capture
@@ -152,9 +159,15 @@ class _LayerGraphs:
     # -- running the layer on the static buffers -----------------------------------------------------------------
     def _run(self) -> torch.Tensor:
         enabled, dtype = self.autocast
-        with torch.enable_grad(), torch.autocast(self.x.device.type, dtype=dtype, enabled=enabled,
-                                                 cache_enabled=False):
-            return self.forward_fn(self.x, **self.kwargs)
+        for module, name, _, stand_in in self._slots:
+            module._parameters[name] = stand_in
+        try:
+            with torch.enable_grad(), torch.autocast(self.x.device.type, dtype=dtype, enabled=enabled,
+                                                     cache_enabled=False):
+                return self.forward_fn(self.x, **self.kwargs)
+        finally:
+            for module, name, param, _ in self._slots:
+                module._parameters[name] = param
 
     def _grad(self, out: torch.Tensor) -> tuple:
         return torch.autograd.grad(out, self.inputs, grad_outputs=self.shared.grad_out, allow_unused=True)
