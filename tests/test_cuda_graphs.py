@@ -161,6 +161,34 @@ def test_a_layer_with_hooks_inside_runs_eagerly():
     assert graphs.replays == 6
 
 
+def test_auto_graphs_only_buckets_small_enough_for_the_launches_to_matter(monkeypatch):
+    """'auto' bounds a bucket by a layer's parameters x its tokens (large layers keep the GPU busy anyway)."""
+    per_layer = graphs_mod.layer_parameters(_model().get_base_model().model.layers[0])
+    monkeypatch.setattr(graphs_mod, "AUTO_MAX_WORK", per_layer * 300)
+    model = _model()
+    graphs = CudaGraphs(mode="auto", emulate=True)
+    for s in (PackedAttention(kernel="sdpa"), FusedLoRA(), graphs):
+        assert s.attach(model)
+    assert graphs.max_tokens == 300
+    model(**_batch([100, 100], seed=0)).loss.backward()  # 200 tokens: the 256 bucket
+    model(**_batch([200, 100], seed=1)).loss.backward()  # 300 tokens: the 384 bucket, above the bound
+    assert graphs.replays == 4 and graphs.eager == {"more than 300 tokens": 4}
+    monkeypatch.setattr(graphs_mod, "AUTO_MAX_WORK", per_layer * 100)  # not even the smallest bucket
+    assert CudaGraphs(mode="auto", emulate=True).attach(_model()) is False
+    assert CudaGraphs(mode=True, emulate=True).attach(_model()) is True  # True: every bucket up to max_tokens
+
+
+def test_a_4bit_weight_counts_by_its_unpacked_shape():
+    class State:
+        shape = torch.Size([64, 32])
+
+    layer = torch.nn.Linear(32, 64, bias=False)
+    packed = torch.nn.Parameter(torch.zeros(1024, 1, dtype=torch.uint8), requires_grad=False)
+    packed.quant_state = State()
+    layer.weight = packed
+    assert graphs_mod.layer_parameters(layer) == 64 * 32
+
+
 def test_it_does_not_attach_where_graphs_cannot_repeat_the_step():
     moe = get_peft_model(tiny_model("qwen3_moe", VOCAB), LoraConfig(r=4, target_modules=["q_proj"]))
     assert CudaGraphs(mode=True, emulate=True).attach(moe) is False
