@@ -64,7 +64,8 @@ class FastSFT(ReliableTraining, SyncFreeLoss, CachedFlops, CachedTrainableWalks,
     (``cached_packing``), offloaded double-buffered checkpointing (``offload_checkpointing``), fast MoE routing
     (``fast_moe_routing``), fused LoRA layers (``fused_lora``), Liger's fused RMSNorm/SwiGLU/RoPE kernels
     (``fused_kernels``), the MLP tiled over the sequence (``tiled_mlp``), the last layers left un-checkpointed where
-    their activations fit (``selective_checkpointing``), TRL's step metrics read at logging time,
+    their activations fit (``selective_checkpointing``), the un-checkpointed layers replayed as CUDA graphs
+    (``cuda_graphs``), TRL's step metrics read at logging time,
     not after every forward (``sync_free_metrics``), and a live notebook dashboard (``live_dashboard``). The FLOPs
     estimate transformers logs takes the model's parameter count once per run (``nbkit.step_flops``), and the step's
 gradient clip and ``zero_grad`` walk the trainable parameters only (``nbkit.step_walks``).

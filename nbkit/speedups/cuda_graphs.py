@@ -25,12 +25,14 @@ How:
 Eager instead, per call and said once per reason: not training, no grad, the layer checkpointed (its recompute
 is not graphed), more tokens than ``max_tokens``, more documents than a bucket holds, an argument the graph cannot
 take (a padding mask, a KV cache, an unknown tensor), no varlen kernel (``cached_packing`` with the ``varlen`` or
-``flash_attn`` kernel), not enough free memory for another layer's graphs. Not attached: not CUDA, a MoE model
+``flash_attn`` kernel), hooks on a module inside the layer (a graph would run them once, at capture), not enough
+free memory for another layer's graphs. Not attached: not CUDA, a MoE model
 (the experts' shapes depend on the routing), dropout in a decoder layer (random numbers would repeat).
 
-Modes: "auto" graphs a bucket only while a layer's parameters x the bucket's tokens stay below ``AUTO_MAX_WORK``
-(larger layers keep the GPU busy and the padding costs more than the launches saved: a 14B model's 4K rows ran 10%
-slower graphed); True graphs every bucket up to ``max_tokens``.
+Modes: "auto" graphs a bucket only while a layer's parameters x the bucket's tokens stay below ``AUTO_MAX_WORK``:
+larger layers keep the GPU busy on their own, and then the padding and the static copies cost more than the
+launches saved (where the crossing was measured: BENCHMARKS.md section 13). True graphs every bucket up to
+``max_tokens``.
 
 Contract: the same losses and gradients as the eager layers up to rounding; a layer's forward must be followed by its
 backward before it runs forward again in the same bucket (``RuntimeError`` otherwise, as in a custom loop that runs
@@ -54,9 +56,7 @@ logger = logging.getLogger(__name__)
 Mode = Union[bool, Literal["auto"]]
 BUCKETS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 MAX_TOKENS = 8192  # beyond this a layer's kernels are long enough to hide their launches: eager
-# 'auto': a bucket is graphed while (a layer's parameters x its tokens) stays below this. Measured side by side on an
-# H200 (QLoRA): 2e11 (1.7B, 4K rows) 2.3x faster, 4.1e11 (1.7B, 8K) 1.8x faster, 1.35e12 (14B, 4K) 10% slower.
-AUTO_MAX_WORK = 6e11
+AUTO_MAX_WORK = 6e11  # 'auto': a layer's parameters x a bucket's tokens, at most (BENCHMARKS.md section 13)
 MIN_DOCS, MAX_DOCS = 16, 256  # documents a bucket holds: tokens / 8 within these (its padding document on top)
 MAX_CAPTURES = 2 * len(BUCKETS)  # capture calls (buckets, argument states, layers un-checkpointed late)
 RESERVE = 0.10  # of the GPU's memory left free when capturing another layer's graphs
@@ -389,6 +389,8 @@ class CudaGraphs:
                     self.replays += 1
                     return _Replay.apply(graphs, hidden_states, *graphs.trainable)
                 why = graphs if isinstance(graphs, str) else "the input's requires_grad differs from the capture's"
+            if why not in self.eager:
+                self._say(f"eager:{why}", f"a layer call ran eagerly: {why}", logging.INFO)
             self.eager[why] = self.eager.get(why, 0) + 1
             return original(hidden_states, *args, **kwargs)
 
