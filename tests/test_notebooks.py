@@ -390,7 +390,8 @@ def test_02_speed_lab(workdir):
     nb, r = run("02_speed_lab", workdir)
     rows = {row["name"]: row for row in r["rows"]}
     assert list(rows) == ["SFTTrainer (plain TRL)", "FastSFT (defaults)", "cached_packing=False",
-                          "offload_checkpointing=True", "offload_double_buffer=False", "live_dashboard=False"]
+                          "offload_checkpointing=True", "offload_double_buffer=False", "cuda_graphs=False",
+                          "live_dashboard=False"]
     assert r["reference"] == "SFTTrainer (plain TRL)"
     for row in rows.values():
         assert row["tokens_per_second"] > 0 and math.isfinite(row["tokens_per_second"])
@@ -405,6 +406,7 @@ def test_02_speed_lab(workdir):
     assert not any(n.startswith("cached_packing") for n in rows["cached_packing=False"]["nbkit_attached"])
     assert "offload_checkpointing" in rows["offload_checkpointing=True"]["nbkit_attached"]
     assert "offload_checkpointing" not in rows["FastSFT (defaults)"]["nbkit_attached"]  # "auto" is off on CPU
+    assert "cuda_graphs" not in rows["FastSFT (defaults)"]["nbkit_attached"]  # graphs are CUDA's
     # the chart: saved, and shown inline
     assert (workdir / "nbkit-out" / "02_speed_lab" / "speed_lab.png").stat().st_size > 10_000
     assert any("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))

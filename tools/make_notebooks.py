@@ -513,6 +513,7 @@ NB02 = [
         "cached_packing=False": {"cached_packing": False},
         "offload_checkpointing=True": {"offload_checkpointing": True},  # default "auto": on only where it pays
         "offload_double_buffer=False": {"offload_checkpointing": True, "offload_double_buffer": False},
+        "cuda_graphs=False": {"cuda_graphs": False},  # default "auto": short rows on CUDA replay each layer as a graph
         "fast_moe_routing=False": {"fast_moe_routing": False},
         "live_dashboard=False": {"live_dashboard": False},
     }
