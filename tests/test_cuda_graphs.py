@@ -178,6 +178,25 @@ def test_auto_graphs_only_buckets_small_enough_for_the_launches_to_matter(monkey
     assert CudaGraphs(mode=True, emulate=True).attach(_model()) is True  # True: every bucket up to max_tokens
 
 
+def test_another_layer_is_captured_only_while_the_step_keeps_its_headroom(monkeypatch):
+    """Free memory must stay above 10% of the GPU and above the step's peak so far less what it holds now."""
+    gib = 2**30
+    graphs = CudaGraphs(mode=True)
+    graphs._layer_bytes = 1 * gib
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (12 * gib, 100 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 20 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 25 * gib)
+    assert graphs._memory_problem(cuda) is None  # 12 - 1 >= max(10, 25 - 20)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 32 * gib)
+    assert "12.0 GiB free" in graphs._memory_problem(cuda)  # the step may still need 12 GiB more
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 20 * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10.5 * gib, 100 * gib))
+    assert graphs._memory_problem(cuda) is not None  # 10% of the GPU stays free
+    graphs._layer_bytes = None
+    assert graphs._memory_problem(cuda) is None  # the first layer: nothing to size by yet
+
+
 def test_a_4bit_weight_counts_by_its_unpacked_shape():
     class State:
         shape = torch.Size([64, 32])
