@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from grad_steps import StepGrads
 from peft import LoraConfig, get_peft_model
-from transformers import TrainerCallback
 
 from nbkit import FastSFT, FastSFTConfig
 from nbkit.demo.data import make_dataset
@@ -222,14 +222,6 @@ def test_it_does_not_attach_where_graphs_cannot_repeat_the_step():
 # FastSFT: the switch in the table, attached at train time, engaged after selective_checkpointing decides
 
 
-class _Grads(TrainerCallback):
-    def __init__(self) -> None:
-        self.steps: list[dict[str, torch.Tensor]] = []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
-
-
 def _train(tmp_path, monkeypatch, graphs_on: bool, checkpointing: bool):
     built: list[CudaGraphs] = []
 
@@ -249,7 +241,7 @@ def _train(tmp_path, monkeypatch, graphs_on: bool, checkpointing: bool):
         max_length=128, packing=True, gradient_checkpointing=checkpointing,
         selective_checkpointing=True if checkpointing else False, seed=0, data_seed=0,
         dataloader_num_workers=0, use_cpu=True, bf16=False, fp16=False)
-    grads = _Grads()
+    grads = StepGrads()
     trainer = FastSFT(model=model, args=args, train_dataset=make_dataset("messages", n=48), processing_class=tok,
                       peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0),
                       callbacks=[grads])

@@ -14,8 +14,8 @@ import logging
 
 import pytest
 import torch
+from grad_steps import StepGrads
 from peft import LoraConfig, get_peft_model
-from transformers import TrainerCallback
 
 from nbkit import FastSFT, FastSFTConfig
 from nbkit.demo.data import make_dataset
@@ -63,16 +63,6 @@ def budget_for(layers: float):
 # FastSFT: parity, recomputes, nbkit_attached
 
 
-class _Grads(TrainerCallback):
-    """The LoRA gradients of every optimizer step."""
-
-    def __init__(self) -> None:
-        self.steps: list[dict[str, torch.Tensor]] = []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
-
-
 def _train(tmp_path, family: str, selective_mode, checkpointing: bool = True, **switches):
     tok = load_demo_tokenizer()
     model = tiny_model(family, len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
@@ -85,7 +75,7 @@ def _train(tmp_path, family: str, selective_mode, checkpointing: bool = True, **
     )
     args = FastSFTConfig(**(settings | switches))
     lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
-    grads = _Grads()
+    grads = StepGrads()
     torch.manual_seed(0)
     trainer = FastSFT(model=model, args=args, train_dataset=make_dataset("messages", n=96), processing_class=tok,
                       peft_config=lora, callbacks=[grads])

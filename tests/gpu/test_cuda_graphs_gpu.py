@@ -10,26 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import TrainerCallback
+from grad_steps import StepGrads, max_relative
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
              num_hidden_layers=4)
 STEPS = 4
-
-
-class _Grads(TrainerCallback):
-    def __init__(self) -> None:
-        self.steps: list[dict[str, torch.Tensor]] = []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.steps.append({n: p.grad.detach().float().clone() for n, p in model.named_parameters()
-                           if p.grad is not None})
-
-
-def _rel(a: dict, b: dict) -> float:
-    return max(float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-12)) for n in b)
 
 
 def _graphs_of(trainer):
@@ -51,7 +38,7 @@ def _train(tmp_path, tag: str, build, graphs, checkpointing: bool = True, **kw):
                          shuffle_dataset=False, gradient_checkpointing=checkpointing,
                          gradient_checkpointing_kwargs={"use_reentrant": False}, live_dashboard=False,
                          cuda_graphs=graphs, **kw)
-    grads = _Grads()
+    grads = StepGrads()
     torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
     trainer = FastSFT(model=model, args=args, train_dataset=make_dataset("messages", n=300), processing_class=tok,
@@ -96,8 +83,8 @@ def _four_bit(folder):
 
 
 def _check(eager, again, graphed, checkpointing: bool) -> None:
-    noise = max(_rel(a, b) for a, b in zip(again[1], eager[1]))
-    err = max(_rel(a, b) for a, b in zip(graphed[1], eager[1]))
+    noise = max(max_relative(a, b) for a, b in zip(again[1], eager[1]))
+    err = max(max_relative(a, b) for a, b in zip(graphed[1], eager[1]))
     stats = graphed[2]
     print(f"losses {eager[0]} vs {graphed[0]}; LoRA gradients: eager vs eager {noise:.2e}, graphs vs eager "
           f"{err:.2e}; {stats}; attached {graphed[3]}")
@@ -170,4 +157,4 @@ def test_a_replayed_layer_matches_its_eager_forward_and_backward_bucket_by_bucke
     assert graphs.eager == {} and graphs.replays == 4 * len(rows) and graphs.captured == 4 * 3
     for (le, ge), (lg, gg) in zip(eager, graphed):
         assert lg == pytest.approx(le, rel=5e-3)
-        assert _rel(gg, ge) < 3e-2
+        assert max_relative(gg, ge) < 3e-2

@@ -10,26 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import TrainerCallback
+from grad_steps import StepGrads, max_relative
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
              num_hidden_layers=4)
 STEPS = 3
-
-
-class _Grads(TrainerCallback):
-    def __init__(self) -> None:
-        self.steps: list[dict[str, torch.Tensor]] = []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.steps.append({n: p.grad.detach().float().clone() for n, p in model.named_parameters()
-                           if p.grad is not None})
-
-
-def _rel(a: dict, b: dict) -> float:
-    return max(float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-12)) for n in b)
 
 
 def _attention_calls(model) -> list[int]:
@@ -52,7 +39,7 @@ def _train(tmp_path, tag: str, build, selective, **kw):
                          report_to=[], save_strategy="no", seed=0, shuffle_dataset=False, gradient_checkpointing=True,
                          gradient_checkpointing_kwargs={"use_reentrant": False}, live_dashboard=False,
                          selective_checkpointing=selective, **kw)
-    grads = _Grads()
+    grads = StepGrads()
     torch.cuda.reset_peak_memory_stats()  # the budget counts the process's peak: not the earlier tests'
     torch.manual_seed(0)
     trainer = FastSFT(model=model, args=args, train_dataset=make_dataset("messages", n=200), processing_class=tok,
@@ -93,8 +80,8 @@ def _four_bit(folder):
 
 
 def _check(plain, again, fast, layers: int) -> None:
-    noise = max(_rel(a, b) for a, b in zip(again[1], plain[1]))
-    err = max(_rel(a, b) for a, b in zip(fast[1], plain[1]))
+    noise = max(max_relative(a, b) for a, b in zip(again[1], plain[1]))
+    err = max(max_relative(a, b) for a, b in zip(fast[1], plain[1]))
     print(f"losses {plain[0]} vs {fast[0]}; LoRA gradients: plain vs plain {noise:.2e}, selective vs plain "
           f"{err:.2e}, bitwise {err == 0}; attached {fast[3].nbkit_attached}")
     assert fast[0] == pytest.approx(plain[0], rel=1e-2)
