@@ -283,6 +283,15 @@ def _hooked(layer: torch.nn.Module) -> bool:
     return any(getattr(m, name, None) for m in layer.modules() if m is not layer for name in _HOOKS)
 
 
+def _layer_reason(layer: torch.nn.Module) -> Optional[str]:
+    """Why this layer's call runs eagerly whatever the forward (None: it may run on graphs)."""
+    if not layer.training or not torch.is_grad_enabled():
+        return "not training"
+    if getattr(layer, "gradient_checkpointing", False):
+        return "checkpointed layer"
+    return None
+
+
 def _why_not_model(base: torch.nn.Module, layers: list[torch.nn.Module]) -> Optional[str]:
     config = getattr(base, "config", None)
     text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
@@ -326,6 +335,8 @@ class CudaGraphs:
         self._graphs: dict[tuple, Union[_LayerGraphs, str]] = {}  # its graphs, or why it has none
         self._shared: dict[int, _Shared] = {}
         self._captures = 0
+        self._plan_run: Optional[PackedRun] = None
+        self._plan_of_run: Union[str, tuple] = ""
         self._layer_bytes: Optional[int] = None
 
     @property
@@ -382,9 +393,10 @@ class CudaGraphs:
         original = self._originals[index]
 
         def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            why = self._why_eager(layer, hidden_states, args, kwargs)
+            why = _layer_reason(layer)
             if why is None:
-                graphs = self._graphs_for(index, layer, hidden_states, kwargs)
+                plan = self._plan(hidden_states, args, kwargs)
+                graphs = plan if isinstance(plan, str) else self._graphs_for(index, plan, hidden_states, kwargs)
                 if isinstance(graphs, _LayerGraphs) and graphs.x.requires_grad == hidden_states.requires_grad:
                     graphs.shared.load(hidden_states.shape[1], kwargs)
                     self.replays += 1
@@ -397,12 +409,18 @@ class CudaGraphs:
 
         return forward
 
-    def _why_eager(self, layer: torch.nn.Module, x: Any, args: tuple, kwargs: dict) -> Optional[str]:
-        """None when this call can run on graphs; else a short reason (counted in ``eager``)."""
-        if not layer.training or not torch.is_grad_enabled():
-            return "not training"
-        if getattr(layer, "gradient_checkpointing", False):
-            return "checkpointed layer"
+    def _plan(self, x: Any, args: tuple, kwargs: dict) -> Union[str, tuple]:
+        """This forward's graph variant (bucket, autocast state, constant arguments, per-token arguments), or why
+        its layer calls cannot run on graphs. The same for every layer of one forward: decided at its first call."""
+        run = kwargs.get("nbkit_run")
+        if run is None or run is not self._plan_run:
+            plan = self._plan_for(x, args, kwargs)
+            if isinstance(run, PackedRun):
+                self._plan_run, self._plan_of_run = run, plan  # the run held: a later one cannot reuse its id
+            return plan
+        return self._plan_of_run
+
+    def _plan_for(self, x: Any, args: tuple, kwargs: dict) -> Union[str, tuple]:
         if args or not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[0] != 1:
             return "not one padding-free row"
         run = kwargs.get("nbkit_run")
@@ -426,17 +444,15 @@ class CudaGraphs:
             return f"more than {self.max_tokens} tokens"
         if run.cu_q.numel() - 1 > doc_capacity(bucket):
             return "more documents than the bucket holds"
-        return None
-
-    def _graphs_for(self, index: int, layer: torch.nn.Module, x: torch.Tensor, kwargs: dict) -> Any:
-        """This layer's graphs for the call's bucket (the bucket captured now, from this layer on, if new); a
-        reason string when it has none."""
-        bucket = bucket_for(x.shape[1], self.max_tokens)
         constants = tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int, float, str))
                                  and k not in ("max_length_q", "max_length_k")))
         autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
         tokenwise = tuple(k for k in TOKENWISE_KWARGS if kwargs.get(k) is not None)
-        variant = (bucket, autocast, constants, tokenwise)
+        return (bucket, autocast, constants, tokenwise)
+
+    def _graphs_for(self, index: int, variant: tuple, x: torch.Tensor, kwargs: dict) -> Any:
+        """This layer's graphs for the forward's variant (captured now, from this layer on, if new); a reason string
+        when it has none."""
         entry = self._graphs.get((index, variant))
         if entry is None or entry == "checkpointed layer":  # new, or un-checkpointed since its bucket's capture
             if self._captures >= MAX_CAPTURES:
