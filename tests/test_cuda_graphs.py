@@ -179,20 +179,26 @@ def test_auto_graphs_only_buckets_small_enough_for_the_launches_to_matter(monkey
 
 
 def test_another_layer_is_captured_only_while_the_step_keeps_its_headroom(monkeypatch):
-    """Free memory must stay above 10% of the GPU and above the step's peak so far less what it holds now."""
+    """What is left of the process's limit must stay above 10% of it and above the step's peak so far less what it
+    holds now (readings as selective_checkpointing takes them: the limit, the peak, allocated now)."""
     gib = 2**30
     graphs = CudaGraphs(mode=True)
     graphs._layer_bytes = 1 * gib
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (12 * gib, 100 * gib))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 20 * gib)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 25 * gib)
-    assert graphs._memory_problem(cuda) is None  # 12 - 1 >= max(10, 25 - 20)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 32 * gib)
-    assert "12.0 GiB free" in graphs._memory_problem(cuda)  # the step may still need 12 GiB more
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 20 * gib)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10.5 * gib, 100 * gib))
-    assert graphs._memory_problem(cuda) is not None  # 10% of the GPU stays free
+    readings = {"peak": 25 * gib, "limit": 32 * gib}
+    monkeypatch.setattr(graphs_mod, "memory_readings",
+                        lambda device: (readings["limit"], readings["peak"], 20 * gib) if device.type == "cuda" else None)
+    readings.update(limit=100 * gib)
+    assert graphs._memory_problem(cuda) is None  # 80 - 1 >= max(10, 25 - 20)
+    readings.update(limit=32 * gib)
+    assert graphs._memory_problem(cuda) is None  # 12 - 1 >= max(3.2, 5)
+    readings.update(peak=32 * gib)
+    assert "12.0 GiB left" in graphs._memory_problem(cuda)  # the step may still need 12 GiB more
+    readings.update(peak=20 * gib, limit=31.5 * gib)
+    assert graphs._memory_problem(cuda) is None  # 11.5 - 1 >= 3.15
+    readings.update(limit=22 * gib)
+    assert graphs._memory_problem(cuda) is not None  # 2 - 1 < 10% of the limit
+    assert graphs._memory_problem(torch.device("cpu")) is None
     graphs._layer_bytes = None
     assert graphs._memory_problem(cuda) is None  # the first layer: nothing to size by yet
 

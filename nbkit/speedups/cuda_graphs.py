@@ -26,9 +26,10 @@ Eager instead, per call and said once per reason: not training, no grad, the lay
 is not graphed), more tokens than ``max_tokens``, more documents than a bucket holds, an argument the graph cannot
 take (a padding mask, a KV cache, an unknown tensor), no varlen kernel (``cached_packing`` with the ``varlen`` or
 ``flash_attn`` kernel), hooks on a module inside the layer (a graph would run them once, at capture), not enough
-free memory for another layer's graphs (free memory must stay above ``RESERVE`` of the GPU and above the step's peak
-so far less what it holds now). Not attached: not CUDA, a MoE model
-(the experts' shapes depend on the routing), dropout in a decoder layer (random numbers would repeat).
+free memory for another layer's graphs (what is left of the process's limit, as ``selective_checkpointing`` reads it,
+must stay above ``RESERVE`` of that limit and above the step's peak so far less what it holds now). Not attached:
+not CUDA, a MoE model (the experts' shapes depend on the routing), dropout in a decoder layer (random numbers would
+repeat).
 
 Modes: "auto" graphs a bucket only while a layer's parameters x the bucket's tokens stay below ``AUTO_MAX_WORK``:
 larger layers keep the GPU busy on their own, and then the padding and the static copies cost more than the
@@ -51,6 +52,7 @@ import torch
 from ..ops.varlen_attention import KERNEL_FNS, PackedRun
 from ..settings import check_value
 from .ledger import PatchLedger, unwrap_model
+from .selective_checkpointing import memory_readings
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ MAX_TOKENS = 8192  # beyond this a layer's kernels are long enough to hide their
 AUTO_MAX_WORK = 6e11  # 'auto': a layer's parameters x a bucket's tokens, at most (BENCHMARKS.md section 13)
 MIN_DOCS, MAX_DOCS = 16, 256  # documents a bucket holds: tokens / 8 within these (its padding document on top)
 MAX_CAPTURES = 2 * len(BUCKETS)  # capture calls (buckets, argument states, layers un-checkpointed late)
-RESERVE = 0.10  # of the GPU's memory left free at least when capturing another layer's graphs
+RESERVE = 0.10  # of the memory this process may use, left free at least when capturing another layer's graphs
 _FUSED_KERNELS = (KERNEL_FNS["varlen"], KERNEL_FNS["flash_attn"])
 TOKENWISE_KWARGS = ("position_ids", "cache_position", "seq_idx")  # one value per token: copied into static twins
 _NONE_KWARGS = ("attention_mask", "past_key_values", "past_key_value", "cache")
@@ -517,13 +519,14 @@ class CudaGraphs:
                       logging.INFO)
 
     def _memory_problem(self, device: torch.device) -> Optional[str]:
-        if device.type != "cuda" or self._layer_bytes is None:
+        readings = memory_readings(device) if self._layer_bytes is not None else None
+        if readings is None:  # off CUDA, or the first layer: nothing to size by yet
             return None
-        free, total = torch.cuda.mem_get_info(device)
+        limit, peak, allocated = readings
         # what the step may still need beyond what it holds now: the peak so far above the present, at least RESERVE
-        headroom = max(RESERVE * total, torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device))
-        if free - self._layer_bytes < headroom:
-            return (f"no memory for more graphs ({free / 2**30:.1f} GiB free, a layer's graphs take "
+        headroom = max(RESERVE * limit, peak - allocated)
+        if limit - allocated - self._layer_bytes < headroom:
+            return (f"no memory for more graphs ({(limit - allocated) / 2**30:.1f} GiB left, a layer's graphs take "
                     f"~{self._layer_bytes / 2**30:.2f} GiB and {headroom / 2**30:.1f} GiB stay free for the step)")
         return None
 
