@@ -276,4 +276,12 @@ def test_the_switch_is_in_the_table_and_off_on_a_cpu():
     spec = next(s for s in SPEEDUPS if s.switch == "cuda_graphs")
     assert spec.build(FastSFTConfig(output_dir="x", use_cpu=True, report_to=[]), True) is None
     assert spec.build(FastSFTConfig(output_dir="x", cuda_graphs=False, report_to=[]), True) is None
+    forced = spec.build(FastSFTConfig(output_dir="x", use_cpu=True, cuda_graphs=True, report_to=[]), True)
+    assert isinstance(forced, CudaGraphs)  # True on a CPU: built, and its attach says why it stays off
+
+
+def test_forcing_graphs_on_a_cpu_says_why_they_stay_off(caplog):
+    with caplog.at_level("WARNING", logger="nbkit.speedups.cuda_graphs"):
+        assert CudaGraphs(mode=True).attach(_model()) is False
+    assert "not on a CUDA GPU" in caplog.text
     assert graphs_mod.MAX_TOKENS in BUCKETS

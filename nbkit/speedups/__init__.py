@@ -148,8 +148,8 @@ def _graphs(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Sp
         return None  # the graphs read cached_packing's metadata
     import torch
 
-    if getattr(args, "use_cpu", False) or not torch.cuda.is_available():
-        return None  # quietly: graphs are CUDA's
+    if mode == "auto" and (getattr(args, "use_cpu", False) or not torch.cuda.is_available()):
+        return None  # quietly: 'auto' means where graphs exist (True attaches and says why it cannot)
     from .cuda_graphs import CudaGraphs
 
     return CudaGraphs(mode=mode)

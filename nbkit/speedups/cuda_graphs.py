@@ -364,7 +364,7 @@ class CudaGraphs:
             return False
         param = next(base.parameters(), None)
         if not self.emulate and (param is None or param.device.type != "cuda"):
-            self._say("cpu", "off (the model is not on a CUDA GPU)", logging.INFO)
+            self._say("cpu", "off (the model is not on a CUDA GPU)", logging.WARNING if self.mode is True else logging.INFO)
             return False
         why = _why_not_model(base, layers)
         if why:
