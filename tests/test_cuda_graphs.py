@@ -1,6 +1,6 @@
 """``cuda_graphs``: buckets, padding, static metadata and the replay's autograd plumbing, on CPU through emulation.
 
-On a CPU there are no graphs; ``CudaGraphs(emulate=True)`` runs the same static buffers, buckets, padding document
+On a CPU there are no graphs; ``CudaGraphs(backend=TapeBackend())`` runs the same static buffers, buckets, padding document
 and autograd function with an eager re-run of the layer in place of each replay. What these tests prove is what the
 graphs' dataflow does to the numbers: a micro-batch padded into its bucket gives the eager layers' loss and LoRA
 gradients (fp32, to 1e-5 relative: only the GEMMs' row counts differ), the padding never leaks into real tokens, and
@@ -19,6 +19,7 @@ from nbkit import FastSFT, FastSFTConfig
 from nbkit.demo.data import make_dataset
 from nbkit.demo.models import tiny_model
 from nbkit.demo.tokenizer import load_demo_tokenizer
+from nbkit.ops.layer_graphs import TapeBackend
 from nbkit.ops.packed_boundaries import metadata_from_lengths
 from nbkit.speedups import SPEEDUPS, SpeedupSpec
 from nbkit.speedups import cuda_graphs as graphs_mod
@@ -87,7 +88,7 @@ BATCHES = [[120, 80, 100], [256, 128], [50, 150, 40], [120, 80, 100]]
 def test_padded_replays_give_the_eager_layers_loss_and_lora_gradients():
     batches = [_batch(lengths, seed) for seed, lengths in enumerate(BATCHES)]
     plain = _steps(_model(), batches, PackedAttention(kernel="sdpa"), FusedLoRA())
-    graphs = CudaGraphs(mode=True, emulate=True)
+    graphs = CudaGraphs(mode=True, backend=TapeBackend())
     graphed = _steps(_model(), batches, PackedAttention(kernel="sdpa"), FusedLoRA(), graphs)
     torch.testing.assert_close(graphed[0], plain[0], rtol=1e-5, atol=0)
     _close(graphed[1], plain[1])
@@ -100,7 +101,7 @@ def test_padded_replays_give_the_eager_layers_loss_and_lora_gradients():
 def test_the_padding_is_its_own_document_with_a_zero_gradient():
     """A bucket's padding, filled with anything finite, changes no real token's output or gradient."""
     batch = _batch([100, 60], seed=3)  # 160 tokens in the 256 bucket
-    graphs = CudaGraphs(mode=True, emulate=True)
+    graphs = CudaGraphs(mode=True, backend=TapeBackend())
     model = _model()
     for s in (PackedAttention(kernel="sdpa"), FusedLoRA(), graphs):
         assert s.attach(model)
@@ -109,15 +110,16 @@ def test_the_padding_is_its_own_document_with_a_zero_gradient():
     model(**batch).loss.backward()
     entry = next(iter(graphs._graphs.values()))
     assert entry.x.shape[1] == 256
-    assert entry.shared.cu_q[:4].tolist() == [0, 100, 160, 256]  # the real documents, then the padding's end
-    assert set(entry.shared.cu_q[4:].tolist()) == {256}  # zero-length documents after it
-    assert torch.count_nonzero(entry.shared.grad_out[:, 160:]) == 0
+    shared = graphs._shared[256]
+    assert shared.cu_q[:4].tolist() == [0, 100, 160, 256]  # the real documents, then the padding's end
+    assert set(shared.cu_q[4:].tolist()) == {256}  # zero-length documents after it
+    assert torch.count_nonzero(entry.grad_out[:, 160:]) == 0
     assert torch.count_nonzero(entry.x[:, 160:]) == 0
 
 
 def test_a_second_forward_before_the_backward_is_refused():
     model = _model()
-    speedups = [PackedAttention(kernel="sdpa"), FusedLoRA(), CudaGraphs(mode=True, emulate=True)]
+    speedups = [PackedAttention(kernel="sdpa"), FusedLoRA(), CudaGraphs(mode=True, backend=TapeBackend())]
     for s in speedups:
         s.attach(model)
     batch = _batch([100, 60], seed=1)
@@ -129,7 +131,7 @@ def test_a_second_forward_before_the_backward_is_refused():
 
 def test_calls_a_graph_cannot_take_run_eagerly_with_their_reason():
     model = _model()
-    graphs = CudaGraphs(mode=True, emulate=True, max_tokens=256)
+    graphs = CudaGraphs(mode=True, backend=TapeBackend(), max_tokens=256)
     for s in (PackedAttention(kernel="sdpa"), FusedLoRA(), graphs):
         s.attach(model)
     many_docs = _batch([6] * 40, seed=4)  # 40 documents: above the 256 bucket's 32
@@ -147,7 +149,7 @@ def test_calls_a_graph_cannot_take_run_eagerly_with_their_reason():
 def test_a_layer_with_hooks_inside_runs_eagerly():
     """A hook runs in Python: a graph would run it once, at capture. The layer's own hooks run around the replay."""
     model = _model()
-    graphs = CudaGraphs(mode=True, emulate=True)
+    graphs = CudaGraphs(mode=True, backend=TapeBackend())
     for s in (PackedAttention(kernel="sdpa"), FusedLoRA(), graphs):
         s.attach(model)
     layers = model.get_base_model().model.layers
@@ -166,7 +168,7 @@ def test_auto_graphs_only_buckets_small_enough_for_the_launches_to_matter(monkey
     per_layer = graphs_mod.layer_parameters(_model().get_base_model().model.layers[0])
     monkeypatch.setattr(graphs_mod, "AUTO_MAX_WORK", per_layer * 300)
     model = _model()
-    graphs = CudaGraphs(mode="auto", emulate=True)
+    graphs = CudaGraphs(mode="auto", backend=TapeBackend())
     for s in (PackedAttention(kernel="sdpa"), FusedLoRA(), graphs):
         assert s.attach(model)
     assert graphs.max_tokens == 300
@@ -174,8 +176,8 @@ def test_auto_graphs_only_buckets_small_enough_for_the_launches_to_matter(monkey
     model(**_batch([200, 100], seed=1)).loss.backward()  # 300 tokens: the 384 bucket, above the bound
     assert graphs.replays == 4 and graphs.eager == {"more than 300 tokens": 4}
     monkeypatch.setattr(graphs_mod, "AUTO_MAX_WORK", per_layer * 100)  # not even the smallest bucket
-    assert CudaGraphs(mode="auto", emulate=True).attach(_model()) is False
-    assert CudaGraphs(mode=True, emulate=True).attach(_model()) is True  # True: every bucket up to max_tokens
+    assert CudaGraphs(mode="auto", backend=TapeBackend()).attach(_model()) is False
+    assert CudaGraphs(mode=True, backend=TapeBackend()).attach(_model()) is True  # True: every bucket up to max_tokens
 
 
 def test_another_layer_is_captured_only_while_the_step_keeps_its_headroom(monkeypatch):
@@ -216,11 +218,11 @@ def test_a_4bit_weight_counts_by_its_unpacked_shape():
 
 def test_it_does_not_attach_where_graphs_cannot_repeat_the_step():
     moe = get_peft_model(tiny_model("qwen3_moe", VOCAB), LoraConfig(r=4, target_modules=["q_proj"]))
-    assert CudaGraphs(mode=True, emulate=True).attach(moe) is False
+    assert CudaGraphs(mode=True, backend=TapeBackend()).attach(moe) is False
     dropout = get_peft_model(tiny_model("qwen3", VOCAB, attention_dropout=0.1), LoraConfig(r=4, target_modules=["q_proj"]))
-    assert CudaGraphs(mode=True, emulate=True).attach(dropout) is False
+    assert CudaGraphs(mode=True, backend=TapeBackend()).attach(dropout) is False
     lora_dropout = get_peft_model(tiny_model("qwen3", VOCAB), LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.1))
-    assert CudaGraphs(mode=True, emulate=True).attach(lora_dropout) is False
+    assert CudaGraphs(mode=True, backend=TapeBackend()).attach(lora_dropout) is False
     assert CudaGraphs(mode=True).attach(_model()) is False  # on a CPU without emulation
 
 
@@ -228,13 +230,14 @@ def test_it_does_not_attach_where_graphs_cannot_repeat_the_step():
 # FastSFT: the switch in the table, attached at train time, engaged after selective_checkpointing decides
 
 
-def _train(tmp_path, monkeypatch, graphs_on: bool, checkpointing: bool):
+def _train(tmp_path, monkeypatch, graphs_on: bool, checkpointing: bool, batch: int = 2, accumulation: int = 2,
+           tiled: bool = False, steps: int = 3):
     built: list[CudaGraphs] = []
 
     def emulated(args, packed, dataset=None):
         if not graphs_on:
             return None
-        built.append(CudaGraphs(mode=True, emulate=True))
+        built.append(CudaGraphs(mode=True, backend=TapeBackend()))
         return built[-1]
 
     table = tuple(SpeedupSpec(s.switch, s.stage, emulated) if s.switch == "cuda_graphs" else s for s in SPEEDUPS)
@@ -242,11 +245,11 @@ def _train(tmp_path, monkeypatch, graphs_on: bool, checkpointing: bool):
     tok = load_demo_tokenizer()
     model = tiny_model("qwen3", len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
     args = FastSFTConfig(
-        output_dir=str(tmp_path / f"g{graphs_on}{checkpointing}"), max_steps=3, per_device_train_batch_size=2,
-        gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
+        output_dir=str(tmp_path / f"g{graphs_on}{checkpointing}"), max_steps=steps, per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation, learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
         max_length=128, packing=True, gradient_checkpointing=checkpointing,
         selective_checkpointing=True if checkpointing else False, seed=0, data_seed=0,
-        dataloader_num_workers=0, use_cpu=True, bf16=False, fp16=False)
+        dataloader_num_workers=0, use_cpu=True, bf16=False, fp16=False, tiled_mlp=tiled, tiled_mlp_tokens=16)
     grads = StepGrads()
     trainer = FastSFT(model=model, args=args, train_dataset=make_dataset("messages", n=48), processing_class=tok,
                       peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0),
@@ -269,6 +272,23 @@ def test_fastsft_with_graphs_trains_as_without(tmp_path, monkeypatch, checkpoint
         assert speedup.eager.get("checkpointed layer", 0) > 0
     assert set(speedup.eager) <= {"checkpointed layer"}
     assert not speedup._graphs  # detached: graphs dropped
+
+
+@pytest.mark.parametrize("batch, accumulation, tiled", [(1, 4, False), (2, 1, True), (1, 4, True)])
+def test_graphs_train_as_without_under_accumulation_and_tiling(tmp_path, monkeypatch, batch, accumulation, tiled):
+    """The cases the first GPU runs got wrong, on the tape backend (Python frozen at capture, as on a GPU): several
+    micro-batches of different documents per optimizer step (an attention mask cached outside the capture was read
+    stale by every later replay), and tiled MLPs (which held the real parameters while the graph differentiated
+    stand-ins: their LoRA weights got no gradient). Per-step losses and every LoRA gradient of 4 optimizer steps
+    against the same run without graphs, fp32 to 1e-5."""
+    kw = dict(checkpointing=False, batch=batch, accumulation=accumulation, tiled=tiled, steps=4)
+    plain = _train(tmp_path, monkeypatch, graphs_on=False, **kw)
+    graphed = _train(tmp_path, monkeypatch, graphs_on=True, **kw)
+    torch.testing.assert_close(graphed[0], plain[0], rtol=1e-5, atol=0)
+    _close(graphed[1], plain[1])
+    speedup = graphed[3]
+    assert speedup.replays > 0 and speedup.eager == {}
+    assert ("tiled_mlp" in graphed[2]) == tiled
 
 
 def test_the_switch_is_in_the_table_and_off_on_a_cpu():

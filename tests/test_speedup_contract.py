@@ -18,6 +18,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from nbkit.demo.models import tiny_model
+from nbkit.ops.layer_graphs import TapeBackend
 from nbkit.speedups import SPEEDUPS
 from nbkit.speedups.cuda_graphs import CudaGraphs
 from nbkit.speedups.fused_kernels import FusedKernels, KernelOps
@@ -81,7 +82,7 @@ CASES: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[], Any]]] = {
     "tiled_mlp": (lambda: _lora(tiny_model("llama", VOCAB)), lambda: TiledMLP(tile_tokens=8)),
     "selective_checkpointing": (lambda: _gc(_lora(tiny_model("qwen3", VOCAB))),
                                 lambda: SelectiveCheckpointing(mode=True, max_tokens=32)),
-    "cuda_graphs": (lambda: _lora(tiny_model("qwen3", VOCAB)), lambda: CudaGraphs(mode=True, emulate=True)),
+    "cuda_graphs": (lambda: _lora(tiny_model("qwen3", VOCAB)), lambda: CudaGraphs(mode=True, backend=TapeBackend())),
 }
 # switch -> what runs while it is attached, before the comparison (default: nothing)
 EXERCISE: dict[str, Callable[[torch.nn.Module], None]] = {"selective_checkpointing": _train_steps}

@@ -41,12 +41,13 @@ class PackedRun:
     host_offsets: tuple[int, ...] | None
     training: bool
     flex_fn: Callable | None = None
+    tokens: int | None = None  # the row's length where host_offsets is None (a graph's bucket): masks need no sync
     _flex_masks: dict = field(default_factory=dict)
     _dense_masks: dict = field(default_factory=dict)
 
     def _doc_ids(self, device: torch.device) -> torch.Tensor:
         """Each token's document index (host-known total, so no sync)."""
-        total = self.host_offsets[-1] if self.host_offsets else None
+        total = self.host_offsets[-1] if self.host_offsets else self.tokens
         lengths = self.cu_q.diff()
         return torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths.to(device),
                                        output_size=total)

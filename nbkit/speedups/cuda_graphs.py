@@ -14,20 +14,21 @@ How:
   Only the GEMMs' shapes change: results agree with the eager layer to rounding.
 - Static metadata. The varlen kernels read ``cu_seqlens`` from one static buffer per bucket (copied once per forward)
   with the bucket's length as the bound; cos/sin and position ids likewise. Nothing is read on the host.
-- Capture, per bucket at its first call: every eligible layer's forward graph in layer order (each after one eager
-  forward and backward on a side stream, so kernels are compiled and workspaces exist), then every backward graph in
-  reverse, before any replay has written the static inputs that autograd saved. That is the order they replay in,
-  which is what lets the graphs of one capture share one memory pool. A layer that becomes eligible later (the one
-  whose call decided ``selective_checkpointing``) is captured at its next call, in a pool of its own.
-- Replay: an autograd function taking the hidden states and the layer's trainable parameters; its backward copies
-  the incoming gradient into the static buffer, replays, and returns the static gradients (cloned for the input).
+- Capture, per bucket at its first call, through ``nbkit.ops.layer_graphs`` (the engine and its contract): every
+  eligible layer's forward graph in layer order, then every backward graph in reverse, before any replay has written
+  the static inputs that autograd saved. That is the order they replay in, which is what lets the graphs of one
+  capture share one memory pool. A layer that becomes eligible later (the one whose call decided
+  ``selective_checkpointing``) is captured at its next call, in a pool of its own. Each layer's graph gets its own
+  ``PackedRun`` over the bucket's static buffers, made inside its capture, so a mask an attention kernel builds on
+  first use is built by that graph at every replay.
 
 Eager instead, per call and said once per reason: not training, no grad, the layer checkpointed (its recompute
 is not graphed), more tokens than ``max_tokens``, more documents than a bucket holds, an argument the graph cannot
 take (a padding mask, a KV cache, an unknown tensor), no varlen kernel (``cached_packing`` with the ``varlen`` or
 ``flash_attn`` kernel), hooks on a module inside the layer (a graph would run them once, at capture), not enough
 free memory for another layer's graphs (what is left of the process's limit, as ``selective_checkpointing`` reads it,
-must stay above ``RESERVE`` of that limit and above the step's peak so far less what it holds now). Not attached:
+must stay above ``RESERVE`` of that limit and above the step's peak so far less what it holds now), a trainable
+parameter the graph does not reach (held by reference outside its module). Not attached:
 not CUDA, a MoE model (the experts' shapes depend on the routing), dropout in a decoder layer (random numbers would
 repeat).
 
@@ -38,8 +39,9 @@ launches saved (where the crossing was measured: BENCHMARKS.md section 13). True
 
 Contract: the same losses and gradients as the eager layers up to rounding; a layer's forward must be followed by its
 backward before it runs forward again in the same bucket (``RuntimeError`` otherwise, as in a custom loop that runs
-two forwards before their backwards); ``detach()`` puts every ``forward`` back and drops the graphs. ``emulate=True``
-(for tests on CPU) runs the same buffers, buckets and autograd plumbing with an eager re-run in place of each replay.
+two forwards before their backwards); ``detach()`` puts every ``forward`` back and drops the graphs.
+``backend=TapeBackend()`` (CPU tests) runs the same code with tapes of ATen ops in place of CUDA graphs: Python is
+frozen at capture as on a GPU, so a stale input or an unreached parameter shows on a CPU too.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 
+from ..ops.layer_graphs import CudaGraphBackend, GraphedLayer, UnreachedParameters, replay
 from ..ops.varlen_attention import KERNEL_FNS, PackedRun
 from ..settings import check_value
 from .ledger import PatchLedger, unwrap_model
@@ -106,8 +109,7 @@ class _Shared:
         slots = doc_capacity(bucket) + 2  # 0, the real documents' ends, the padding's end
         self.cu_q = torch.full((slots,), bucket, dtype=torch.int32, device=device)
         self.cu_k = torch.full((slots,), bucket, dtype=torch.int32, device=device)
-        self.run = PackedRun(kernel=kernel, cu_q=self.cu_q, cu_k=self.cu_k, max_q=bucket, max_k=bucket,
-                             host_offsets=None, training=True)
+        self.kernel = kernel
         self.grad_out: Optional[torch.Tensor] = None  # (1, bucket, hidden), made with the first layer's graphs
         self._source: Any = None
 
@@ -127,7 +129,6 @@ class _Shared:
             static[:n].copy_(cu)
             static[n:].fill_(self.bucket)  # the padding's end, then zero-length documents
         self._source = run  # held: a later forward's run cannot reuse its id
-        self.run._dense_masks.clear()  # emulation's exact kernels build masks from the buffers; graphs never do
 
     def _static(self, key: str, like: torch.Tensor) -> torch.Tensor:
         """The bucket-long static twin of a per-token tensor (tokens on its last dimension; the padding reads 0)."""
@@ -135,141 +136,23 @@ class _Shared:
             self.tokenwise[key] = like.new_zeros((*like.shape[:-1], self.bucket))
         return self.tokenwise[key]
 
-    def kwargs(self, given: dict) -> dict:
-        """The layer's keyword arguments at capture: the given ones with the static tensors in their place."""
+    def static_kwargs(self, given: dict) -> Callable[[], dict]:
+        """The layer's keyword arguments for a capture: the given ones with the static tensors in their place and a
+        new ``PackedRun`` over the static buffers at each call (its caches are filled inside the capture)."""
         out = {k: v for k, v in given.items() if k not in _DROPPED_KWARGS}
         out["position_embeddings"] = (self.cos, self.sin)
         for key in TOKENWISE_KWARGS:
             if given.get(key) is not None:
                 out[key] = self._static(key, given[key])
         out.update(cu_seq_lens_q=self.cu_q, cu_seq_lens_k=self.cu_k, max_length_q=self.bucket,
-                   max_length_k=self.bucket, nbkit_run=self.run)
-        return out
+                   max_length_k=self.bucket)
 
+        def make() -> dict:
+            run = PackedRun(kernel=self.kernel, cu_q=self.cu_q, cu_k=self.cu_k, max_q=self.bucket, max_k=self.bucket,
+                            host_offsets=None, training=True, tokens=self.bucket)
+            return {**out, "nbkit_run": run}
 
-class _LayerGraphs:
-    """One layer's graphs in one bucket: static input, forward and backward graphs, static gradients."""
-
-    def __init__(self, owner: CudaGraphs, index: int, layer: torch.nn.Module, shared: _Shared,
-                 x: torch.Tensor, x_grad: bool, kwargs: dict, pool: Any) -> None:
-        self.owner, self.index, self.shared, self.pool = owner, index, shared, pool
-        self.forward_fn = owner._originals[index]
-        self.kwargs = shared.kwargs(kwargs)
-        # the graphs differentiate stand-ins of the trainable parameters (sharing their memory): an autograd node of
-        # the real ones kept alive by the caller (a loss) would pin the capture's gradients to its stream
-        slots = [(m, n, p) for m in layer.modules() for n, p in m._parameters.items() if p is not None and p.requires_grad]
-        stand_ins: dict[int, torch.nn.Parameter] = {}
-        for _, _, p in slots:
-            stand_ins.setdefault(id(p), torch.nn.Parameter(p.detach(), requires_grad=True))
-        self.trainable = tuple({id(p): p for _, _, p in slots}.values())
-        self._slots = [(m, n, p, stand_ins[id(p)]) for m, n, p in slots]
-        self.x = torch.zeros((1, shared.bucket, x.shape[-1]), dtype=x.dtype, device=x.device, requires_grad=x_grad)
-        if shared.grad_out is None:
-            shared.grad_out = torch.zeros_like(self.x, requires_grad=False)
-        self.inputs = ((self.x,) if x_grad else ()) + tuple(stand_ins[id(p)] for p in self.trainable)
-        self.autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
-        self.out: Optional[torch.Tensor] = None  # static output
-        self.graph_out: Optional[torch.Tensor] = None  # the captured output, kept for the backward's capture
-        self.grads: Optional[tuple] = None
-        self.fwd: Any = None
-        self.bwd: Any = None
-        self.generation = 0
-
-    # -- running the layer on the static buffers -----------------------------------------------------------------
-    def _run(self) -> torch.Tensor:
-        enabled, dtype = self.autocast
-        for module, name, _, stand_in in self._slots:
-            module._parameters[name] = stand_in
-        try:
-            with torch.enable_grad(), torch.autocast(self.x.device.type, dtype=dtype, enabled=enabled,
-                                                     cache_enabled=False):
-                return self.forward_fn(self.x, **self.kwargs)
-        finally:
-            for module, name, param, _ in self._slots:
-                module._parameters[name] = param
-
-    def _grad(self, out: torch.Tensor) -> tuple:
-        return torch.autograd.grad(out, self.inputs, grad_outputs=self.shared.grad_out, allow_unused=True)
-
-    def capture_forward(self) -> None:
-        if self.owner.emulate:
-            _check_output(self._run())
-            self.fwd = "emulated"
-            return
-        side, current = torch.cuda.Stream(self.x.device), torch.cuda.current_stream(self.x.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):  # warm-up: kernels compiled, cuBLAS workspaces made, outside any graph
-            self._grad(self._run())
-        current.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = _check_output(self._run())
-        self.fwd, self.out, self.graph_out = graph, out.detach(), out
-
-    def capture_backward(self) -> None:
-        if self.owner.emulate:
-            return
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            grads = self._grad(self.graph_out)
-        self.bwd, self.grads, self.graph_out = graph, grads, None
-
-    # -- replays ---------------------------------------------------------------------------------------------------
-    def replay_forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = x.shape[1]
-        with torch.no_grad():
-            self.x[:, :tokens].copy_(x)
-            if tokens < self.shared.bucket:
-                self.x[:, tokens:].zero_()
-        if self.owner.emulate:
-            self.graph_out = self._run()
-            self.out = self.graph_out.detach()
-        else:
-            self.fwd.replay()
-        self.generation += 1
-        return self.out[:, :tokens].clone()
-
-    def replay_backward(self, grad: torch.Tensor, generation: int) -> tuple:
-        if generation != self.generation:
-            raise RuntimeError(
-                f"nbkit cuda_graphs: decoder layer {self.index} ran its forward again before the backward of the "
-                "previous one (its graph keeps one forward's activations): run each forward's backward first, or "
-                "set cuda_graphs=False")
-        tokens = grad.shape[1]
-        buf = self.shared.grad_out
-        buf[:, :tokens].copy_(grad)
-        if tokens < self.shared.bucket:
-            buf[:, tokens:].zero_()
-        if self.owner.emulate:
-            grads = self._grad(self.graph_out)
-            self.graph_out = None
-        else:
-            self.bwd.replay()
-            grads = self.grads
-        grads = list(grads)
-        grad_x = grads.pop(0)[:, :tokens].clone() if self.x.requires_grad else None
-        return grad_x, grads  # the parameters' static gradients: autograd clones or adds them into .grad
-
-
-def _check_output(out: Any) -> torch.Tensor:
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"the layer returns {type(out).__name__}, not the hidden states tensor")
-    return out
-
-
-class _Replay(torch.autograd.Function):
-    """A layer's forward as one graph replay; its backward as another."""
-
-    @staticmethod
-    def forward(ctx, graphs: _LayerGraphs, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        out = graphs.replay_forward(x)
-        ctx.graphs, ctx.generation, ctx.x_grad = graphs, graphs.generation, x.requires_grad
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad_x, grads = ctx.graphs.replay_backward(grad.contiguous(), ctx.generation)
-        return (None, grad_x if ctx.x_grad else None, *grads)
+        return make
 
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -285,12 +168,19 @@ def _hooked(layer: torch.nn.Module) -> bool:
     return any(getattr(m, name, None) for m in layer.modules() if m is not layer for name in _HOOKS)
 
 
+# reasons a layer's call runs eagerly that the code acts on (the others are only counted and said)
+CHECKPOINTED = "checkpointed layer"  # its recompute is not graphed; captured at its next call once un-checkpointed
+HOOKED = "hooks inside the layer"
+UNREACHED = "trainable parameters the graph does not reach (held by reference outside their module)"
+CAPTURE_FAILED = "capture failed"
+
+
 def _layer_reason(layer: torch.nn.Module) -> Optional[str]:
     """Why this layer's call runs eagerly whatever the forward (None: it may run on graphs)."""
     if not layer.training or not torch.is_grad_enabled():
         return "not training"
     if getattr(layer, "gradient_checkpointing", False):
-        return "checkpointed layer"
+        return CHECKPOINTED
     return None
 
 
@@ -317,9 +207,11 @@ class CudaGraphs:
 
     name = "cuda_graphs"
 
-    def __init__(self, mode: Mode = "auto", max_tokens: int = MAX_TOKENS, emulate: bool = False) -> None:
+    def __init__(self, mode: Mode = "auto", max_tokens: int = MAX_TOKENS, backend: Any = None) -> None:
+        """``backend``: how graphs are made (default ``CudaGraphBackend``; tests pass ``layer_graphs.TapeBackend``)."""
         check_value("cuda_graphs", mode)
-        self.mode, self.emulate = mode, emulate
+        self.mode = mode
+        self.backend = backend if backend is not None else CudaGraphBackend()
         self.max_tokens = self._given_max = max_tokens
         self._ledger = PatchLedger(self.name)
         self._said: set[str] = set()
@@ -334,7 +226,7 @@ class CudaGraphs:
     def _reset(self) -> None:
         self._layers: list[torch.nn.Module] = []
         self._originals: list[Callable] = []
-        self._graphs: dict[tuple, Union[_LayerGraphs, str]] = {}  # its graphs, or why it has none
+        self._graphs: dict[tuple, Union[GraphedLayer, str]] = {}  # (layer, variant): its graphs, or why it has none
         self._shared: dict[int, _Shared] = {}
         self._captures = 0
         self._plan_run: Optional[PackedRun] = None
@@ -363,7 +255,8 @@ class CudaGraphs:
             self._say("nolayers", f"no decoder layers found in {type(base).__name__}; stays off")
             return False
         param = next(base.parameters(), None)
-        if not self.emulate and (param is None or param.device.type != "cuda"):
+        wanted = self.backend.device_type
+        if wanted is not None and (param is None or param.device.type != wanted):
             self._say("cpu", "off (the model is not on a CUDA GPU)", logging.WARNING if self.mode is True else logging.INFO)
             return False
         why = _why_not_model(base, layers)
@@ -399,10 +292,10 @@ class CudaGraphs:
             if why is None:
                 plan = self._plan(hidden_states, args, kwargs)
                 graphs = plan if isinstance(plan, str) else self._graphs_for(index, plan, hidden_states, kwargs)
-                if isinstance(graphs, _LayerGraphs) and graphs.x.requires_grad == hidden_states.requires_grad:
-                    graphs.shared.load(hidden_states.shape[1], kwargs)
+                if isinstance(graphs, GraphedLayer) and graphs.x.requires_grad == hidden_states.requires_grad:
+                    self._shared[plan[0]].load(hidden_states.shape[1], kwargs)
                     self.replays += 1
-                    return _Replay.apply(graphs, hidden_states, *graphs.trainable)
+                    return replay(graphs, hidden_states)
                 why = graphs if isinstance(graphs, str) else "the input's requires_grad differs from the capture's"
             if why not in self.eager:
                 self._say(f"eager:{why}", f"a layer call ran eagerly: {why}", logging.INFO)
@@ -428,7 +321,7 @@ class CudaGraphs:
         run = kwargs.get("nbkit_run")
         if not isinstance(run, PackedRun):
             return "no packed metadata (cached_packing off)"
-        if not self.emulate and run.kernel not in _FUSED_KERNELS:
+        if self.backend.device_type == "cuda" and run.kernel not in _FUSED_KERNELS:
             return "attention kernel without static shapes (not varlen / flash_attn)"
         if any(kwargs.get(k) is not None for k in _NONE_KWARGS) or kwargs.get("use_cache"):
             return "a mask or KV cache argument"
@@ -456,7 +349,7 @@ class CudaGraphs:
         """This layer's graphs for the forward's variant (captured now, from this layer on, if new); a reason string
         when it has none."""
         entry = self._graphs.get((index, variant))
-        if entry is None or entry == "checkpointed layer":  # new, or un-checkpointed since its bucket's capture
+        if entry is None or entry == CHECKPOINTED:  # new, or un-checkpointed since its bucket's capture
             if self._captures >= MAX_CAPTURES:
                 return "too many captures"
             self._capture(index, variant, x, kwargs)
@@ -469,34 +362,41 @@ class CudaGraphs:
         one memory pool (each call its own: a layer captured later replays between the others), and each backward
         before any replay has written the static inputs autograd saved."""
         self._captures += 1
-        pool = None if self.emulate else torch.cuda.graph_pool_handle()
+        pool = self.backend.pool()
         bucket = variant[0]
         shared = self._shared.get(bucket)
         if shared is None:
             shared = self._shared[bucket] = _Shared(bucket, kwargs["nbkit_run"].kernel, x.device, kwargs)
         shared.load(x.shape[1], kwargs)
-        captured: list[_LayerGraphs] = []
+        captured: list[GraphedLayer] = []
         attempted: list[int] = []
         x_grad = x.requires_grad
         try:
             for i in range(first, len(self._layers)):
                 layer, entry = self._layers[i], self._graphs.get((i, variant))
-                if entry is not None and entry != "checkpointed layer":  # captured, or a lasting reason
+                if entry is not None and entry != CHECKPOINTED:  # captured, or a lasting reason
                     x_grad = True
                     continue
-                why = "checkpointed layer" if getattr(layer, "gradient_checkpointing", False) else (
-                    "hooks inside the layer" if _hooked(layer) else self._memory_problem(x.device))
+                memory = None
+                if getattr(layer, "gradient_checkpointing", False):
+                    why = CHECKPOINTED
+                elif _hooked(layer):
+                    why = HOOKED
+                    self._say(f"hooks{i}", f"layer {i} runs eagerly: a module inside it has hooks (they would run "
+                              "at the capture only)")
+                else:
+                    why = memory = self._memory_problem(x.device)
                 if why:
                     self._graphs[(i, variant)] = why
-                    if why == "hooks inside the layer":
-                        self._say(f"hooks{i}", f"layer {i} runs eagerly: a module inside it has hooks (they would "
-                                  "run at the capture only)")
-                    elif why.startswith("no memory"):
-                        self._say(f"mem{bucket}", f"layer {i} on run eagerly at {bucket} tokens: {why}")
+                    if memory:
+                        self._say(f"mem{bucket}", f"layer {i} and later run eagerly at {bucket} tokens: {memory}")
                     x_grad = True  # an eager layer's output: it needs grad when anything before it trains
                     continue
                 attempted.append(i)
-                graphs = _LayerGraphs(self, i, layer, shared, x, x_grad, kwargs, pool)
+                if shared.grad_out is None:
+                    shared.grad_out = x.new_zeros((1, bucket, x.shape[-1]))
+                graphs = GraphedLayer(layer, self._originals[i], shared.grad_out, x_grad, shared.static_kwargs(kwargs),
+                                      shared.grad_out, self.backend, pool, label=f"decoder layer {i}")
                 before = torch.cuda.memory_allocated(x.device) if x.is_cuda else 0
                 graphs.capture_forward()
                 if x.is_cuda:  # what the forward's graph keeps, twice: the backward's graph comes on top
@@ -506,13 +406,14 @@ class CudaGraphs:
             for graphs in reversed(captured):
                 graphs.capture_backward()
         except Exception as err:  # noqa: BLE001 - an op that cannot be captured: the bucket stays eager
+            why = UNREACHED if isinstance(err, UnreachedParameters) else CAPTURE_FAILED
             for i in attempted:
-                self._graphs[(i, variant)] = "capture failed"
+                self._graphs[(i, variant)] = why
             self._say(f"fail{bucket}", f"layers run eagerly at {bucket} tokens: their capture failed "
                       f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
             return
-        for graphs in captured:
-            self._graphs[(graphs.index, variant)] = graphs
+        for i, graphs in zip(attempted, captured):
+            self._graphs[(i, variant)] = graphs
         self.captured += len(captured)
         if captured:
             self._say("on", f"decoder layers replay as CUDA graphs (buckets of up to {self.max_tokens} tokens)",

@@ -69,7 +69,7 @@ def gpu_in_use(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device)
 
 
-def _tiled_forward(forward: Callable[[torch.Tensor], torch.Tensor], params: list[nn.Parameter],
+def _tiled_forward(forward: Callable[[torch.Tensor], torch.Tensor], module: nn.Module,
                    tile_tokens: int, auto_intermediate: Optional[int] = None) -> Callable[[torch.Tensor], torch.Tensor]:
     decided: dict[tuple, bool] = {}  # auto: one decision per input shape, so a checkpoint's recompute repeats it
 
@@ -89,7 +89,8 @@ def _tiled_forward(forward: Callable[[torch.Tensor], torch.Tensor], params: list
                     lambda: gpu_in_use(x.device) + 4 * x.numel() * x.element_size())
             if not decided[key]:
                 return forward(x)
-        trainable = [p for p in params if p.requires_grad]
+        # read at call time, not kept from attach: whatever the module holds now (cuda_graphs swaps in stand-ins)
+        trainable = [p for p in module.parameters() if p.requires_grad]
         return tiled_mlp(forward, x, trainable, tile_tokens=tile_tokens)
 
     forward_in_tiles.nbkit_tiled = True
@@ -132,7 +133,7 @@ class TiledMLP:
             intermediate = getattr(text, "intermediate_size", None) or 4 * (hidden or tile)
         for module in base.modules():
             if _is_dense_mlp(module) and not getattr(module.forward, "nbkit_tiled", False):
-                wrapped = _tiled_forward(module.forward, list(module.parameters()), tile, intermediate)
+                wrapped = _tiled_forward(module.forward, module, tile, intermediate)
                 self._ledger.set(module, "forward", wrapped)
                 self.count += 1
         if not self.count:

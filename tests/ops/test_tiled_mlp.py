@@ -155,8 +155,9 @@ def test_inside_non_reentrant_checkpoint_a_decoder_layer_gets_the_plain_gradient
 
     got = outputs_and_grads(mlp, x, checkpointed(tiled(tiles=3)))
     ref = outputs_and_grads(mlp, x, layer(plain))
-    for a, e in zip(got, ref):
-        torch.testing.assert_close(a, e, **FP32)
+    torch.testing.assert_close(got[0], ref[0], **FP32)
+    for a, e in zip(got[1:], ref[1:]):  # the weights' gradients: sums over 3 tiles in another grouping, after the
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)  # norm's backward (seen: 1 element of 120 at 1e-4)
 
 
 def test_dropout_masks_are_the_same_in_recompute_and_the_rng_moves_on_as_without_recompute():

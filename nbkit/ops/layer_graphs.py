@@ -1,0 +1,256 @@
+"""Graph capture and replay of one module's forward and backward over static buffers, for any graph backend.
+
+Why a separate engine: a CUDA graph replays the kernels it recorded on the memory it recorded them on. Everything
+Python decided during the capture (a cache hit, a branch, a tensor some object held) is frozen into it. A layer is
+exact under graphs only if everything that changes between calls reaches the graph through its static buffers.
+This module owns that contract and nothing else. ``nbkit.speedups.cuda_graphs`` decides which layers and
+buckets to graph.
+
+Backends:
+
+- ``CudaGraphBackend``: ``torch.cuda.CUDAGraph``. The warm-up runs on a side stream, so kernels are compiled and
+  workspaces exist before the capture.
+- ``TapeBackend``: an eager stand-in with the same semantics, on any device (CPU tests). A ``Tape`` records the ATen
+  ops run during its capture, with the very tensors they read and wrote. A replay runs those ops again on the same
+  tensors and writes each result into the tensor recorded for it. Python is not re-run: a tensor computed outside
+  the capture and read inside it stays the one read at capture, as on a GPU. A host read of a device value
+  (``item()``, ``nonzero``) fails the capture, as it does on a GPU.
+
+Contract of ``GraphedLayer``:
+
+- ``static_kwargs()`` is called twice: once for the warm-up, once for the capture. Per-call objects (a
+  ``PackedRun`` and its mask caches) are therefore made inside the capture, never carried in from the warm-up.
+- The graphs differentiate stand-ins of the layer's trainable parameters. A stand-in shares its parameter's
+  memory, so an in-place optimizer step is seen, and it is swapped into the modules while the layer's forward and
+  backward are captured. Why: an
+  autograd node of the real parameters, kept alive by the caller (a loss), would pin the capture's gradients to
+  the caller's stream. Anything inside the layer must therefore read its parameters from its module at call
+  time. A trainable parameter that gets no gradient through the stand-ins (one held by reference elsewhere) fails
+  the capture with ``UnreachedParameters``, so the layer runs eagerly instead of training without it.
+- One forward, then its backward. A second forward before the backward raises ``RuntimeError``: the graph keeps
+  one forward's activations. Graphs of one pool must replay in the order they were captured. The caller captures
+  all forwards in layer order, then all backwards in reverse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+aten = torch.ops.aten
+# ops that read a device value on the host: a CUDA capture fails on them, so the tape does too
+_HOST_READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+               aten._unique2.default, aten.unique_consecutive.default, aten.unique_dim.default}
+
+
+class UnreachedParameters(RuntimeError):
+    """Trainable parameters of the layer that its graph does not differentiate (held by reference elsewhere)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# backends
+
+
+class CudaGraphBackend:
+    """Real CUDA graphs: one memory pool per capture call, warm-up on a side stream."""
+
+    device_type: Optional[str] = "cuda"
+
+    def pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def new_graph(self) -> Any:
+        return torch.cuda.CUDAGraph()
+
+    def capturing(self, graph: Any, pool: Any) -> contextlib.AbstractContextManager:
+        return torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
+
+    def warm_up(self, fn: Callable[[], Any], device: torch.device) -> None:
+        side, current = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            fn()
+        current.wait_stream(side)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, ops: list) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _HOST_READS or (func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None):
+            raise RuntimeError(f"{func} reads a device value on the host: a graph cannot be captured here")
+        out = func(*args, **kwargs)
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.storage_offset() == b.storage_offset() and a.shape == b.shape and a.stride() == b.stride())
+
+
+class Tape:
+    """The ATen ops of one capture, replayed on the tensors they were recorded with (see module docstring)."""
+
+    def __init__(self) -> None:
+        self.ops: list[tuple] = []
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        with _Recorder(self.ops):
+            yield
+
+    def replay(self) -> None:
+        with torch.no_grad():
+            for func, args, kwargs, out in self.ops:
+                result = func(*args, **kwargs)
+                for recorded, new in zip(tree_leaves(out), tree_leaves(result)):
+                    if isinstance(recorded, torch.Tensor) and recorded is not new and not _same_memory(recorded, new):
+                        recorded.copy_(new)  # a fresh result: into the memory the later ops read
+
+
+class TapeBackend:
+    """Graphs as ``Tape`` s, on any device: the CPU tests' stand-in for CUDA graphs."""
+
+    device_type: Optional[str] = None  # any
+
+    def pool(self) -> Any:
+        return None
+
+    def new_graph(self) -> Tape:
+        return Tape()
+
+    def capturing(self, graph: Tape, pool: Any) -> contextlib.AbstractContextManager:
+        return graph.recording()
+
+    def warm_up(self, fn: Callable[[], Any], device: torch.device) -> None:
+        fn()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one layer's graphs
+
+
+class GraphedLayer:
+    """One module's forward and backward graphs: static input, static output, static gradients."""
+
+    def __init__(self, module: torch.nn.Module, forward_fn: Callable[..., Any], like: torch.Tensor, x_grad: bool,
+                 static_kwargs: Callable[[], dict], grad_out: torch.Tensor, backend: Any, pool: Any,
+                 label: str = "layer") -> None:
+        """``like``: a tensor of the static input's shape, dtype and device; ``grad_out``: the static buffer the
+        incoming gradient is copied into (it may be shared by layers that replay one after another)."""
+        self.forward_fn, self.static_kwargs, self.grad_out = forward_fn, static_kwargs, grad_out
+        self.backend, self.pool, self.label = backend, pool, label
+        slots = [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None and p.requires_grad]
+        stand_ins: dict[int, torch.nn.Parameter] = {}
+        for _, _, p in slots:
+            stand_ins.setdefault(id(p), torch.nn.Parameter(p.detach(), requires_grad=True))
+        self.trainable = tuple({id(p): p for _, _, p in slots}.values())
+        self._slots = [(m, n, p, stand_ins[id(p)]) for m, n, p in slots]
+        self.x = torch.zeros(like.shape, dtype=like.dtype, device=like.device, requires_grad=x_grad)
+        self.inputs = ((self.x,) if x_grad else ()) + tuple(stand_ins[id(p)] for p in self.trainable)
+        device = like.device.type
+        self.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        self.out: Optional[torch.Tensor] = None  # static output
+        self._captured_out: Optional[torch.Tensor] = None  # the capture's output, kept for the backward's capture
+        self.grads: Optional[tuple] = None
+        self.fwd: Any = None
+        self.bwd: Any = None
+        self.generation = 0
+
+    @contextlib.contextmanager
+    def _stand_ins(self) -> Iterator[None]:
+        """The stand-ins in the modules: in the forward, and in the backward too (a backward may run the modules
+        again, as a tiled MLP's recompute does)."""
+        for module, name, _, stand_in in self._slots:
+            module._parameters[name] = stand_in
+        try:
+            yield
+        finally:
+            for module, name, param, _ in self._slots:
+                module._parameters[name] = param
+
+    def _run(self, kwargs: dict) -> torch.Tensor:
+        enabled, dtype = self.autocast
+        with self._stand_ins(), torch.enable_grad(), torch.autocast(self.x.device.type, dtype=dtype, enabled=enabled,
+                                                                    cache_enabled=False):
+            out = self.forward_fn(self.x, **kwargs)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"the layer returns {type(out).__name__}, not the hidden states tensor")
+        return out
+
+    def _grad(self, out: torch.Tensor) -> tuple:
+        with self._stand_ins():
+            return torch.autograd.grad(out, self.inputs, grad_outputs=self.grad_out, allow_unused=True)
+
+    def capture_forward(self) -> None:
+        self.backend.warm_up(lambda: self._grad(self._run(self.static_kwargs())), self.x.device)
+        kwargs = self.static_kwargs()
+        graph = self.backend.new_graph()
+        with self.backend.capturing(graph, self.pool):
+            out = self._run(kwargs)
+        self.fwd, self.out, self._captured_out = graph, out.detach(), out
+
+    def capture_backward(self) -> None:
+        graph = self.backend.new_graph()
+        with self.backend.capturing(graph, self.pool):
+            grads = self._grad(self._captured_out)
+        self._captured_out = None
+        unreached = sum(g is None for g in grads[len(self.inputs) - len(self.trainable):])
+        if unreached:
+            raise UnreachedParameters(f"{unreached} trainable parameter(s) of {self.label} get no gradient through "
+                                      "its modules (something holds them by reference)")
+        self.bwd, self.grads = graph, grads
+
+    def replay_forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[1]
+        with torch.no_grad():
+            self.x[:, :tokens].copy_(x)
+            if tokens < self.x.shape[1]:
+                self.x[:, tokens:].zero_()
+        self.fwd.replay()
+        self.generation += 1
+        return self.out[:, :tokens].clone()
+
+    def replay_backward(self, grad: torch.Tensor, generation: int) -> tuple[Optional[torch.Tensor], list]:
+        if generation != self.generation:
+            raise RuntimeError(
+                f"nbkit cuda_graphs: {self.label} ran its forward again before the backward of the previous one "
+                "(its graph keeps one forward's activations): run each forward's backward first, or set "
+                "cuda_graphs=False")
+        tokens = grad.shape[1]
+        self.grad_out[:, :tokens].copy_(grad)
+        if tokens < self.grad_out.shape[1]:
+            self.grad_out[:, tokens:].zero_()
+        self.bwd.replay()
+        grads = list(self.grads)
+        grad_x = grads.pop(0)[:, :tokens].clone() if self.x.requires_grad else None
+        return grad_x, grads  # the parameters' static gradients: autograd clones or adds them into .grad
+
+
+class _Replay(torch.autograd.Function):
+    """A layer's forward as one graph replay; its backward as another."""
+
+    @staticmethod
+    def forward(ctx, layer: GraphedLayer, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        out = layer.replay_forward(x)
+        ctx.layer, ctx.generation, ctx.x_grad = layer, layer.generation, x.requires_grad
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad_x, grads = ctx.layer.replay_backward(grad.contiguous(), ctx.generation)
+        return (None, grad_x if ctx.x_grad else None, *grads)
+
+
+def replay(layer: GraphedLayer, x: torch.Tensor) -> torch.Tensor:
+    """``layer``'s forward on ``x`` (at most its static input's length) as a replay, differentiable to ``x`` and
+    the real trainable parameters."""
+    return _Replay.apply(layer, x, *layer.trainable)
