@@ -231,7 +231,7 @@ def test_it_does_not_attach_where_graphs_cannot_repeat_the_step():
 
 
 def _train(tmp_path, monkeypatch, graphs_on: bool, checkpointing: bool, batch: int = 2, accumulation: int = 2,
-           tiled: bool = False, steps: int = 3):
+           tiled: bool = False, steps: int = 3, family: str = "qwen3"):
     built: list[CudaGraphs] = []
 
     def emulated(args, packed, dataset=None):
@@ -243,9 +243,9 @@ def _train(tmp_path, monkeypatch, graphs_on: bool, checkpointing: bool, batch: i
     table = tuple(SpeedupSpec(s.switch, s.stage, emulated) if s.switch == "cuda_graphs" else s for s in SPEEDUPS)
     monkeypatch.setattr("nbkit.speedups.SPEEDUPS", table)
     tok = load_demo_tokenizer()
-    model = tiny_model("qwen3", len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
+    model = tiny_model(family, len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
     args = FastSFTConfig(
-        output_dir=str(tmp_path / f"g{graphs_on}{checkpointing}"), max_steps=steps, per_device_train_batch_size=batch,
+        output_dir=str(tmp_path / f"g{graphs_on}{checkpointing}{family}"), max_steps=steps, per_device_train_batch_size=batch,
         gradient_accumulation_steps=accumulation, learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
         max_length=128, packing=True, gradient_checkpointing=checkpointing,
         selective_checkpointing=True if checkpointing else False, seed=0, data_seed=0,
@@ -274,14 +274,17 @@ def test_fastsft_with_graphs_trains_as_without(tmp_path, monkeypatch, checkpoint
     assert not speedup._graphs  # detached: graphs dropped
 
 
-@pytest.mark.parametrize("batch, accumulation, tiled", [(1, 4, False), (2, 1, True), (1, 4, True)])
-def test_graphs_train_as_without_under_accumulation_and_tiling(tmp_path, monkeypatch, batch, accumulation, tiled):
+@pytest.mark.parametrize("family, batch, accumulation, tiled", [("qwen3", 1, 4, False), ("qwen3", 2, 1, True),
+                                                                ("qwen3", 1, 4, True), ("gemma3", 1, 2, False)])
+def test_graphs_train_as_without_under_accumulation_and_tiling(tmp_path, monkeypatch, family, batch, accumulation,
+                                                               tiled):
     """The cases the first GPU runs got wrong, on the tape backend (Python frozen at capture, as on a GPU): several
     micro-batches of different documents per optimizer step (an attention mask cached outside the capture was read
     stale by every later replay), and tiled MLPs (which held the real parameters while the graph differentiated
-    stand-ins: their LoRA weights got no gradient). Per-step losses and every LoRA gradient of 4 optimizer steps
-    against the same run without graphs, fp32 to 1e-5."""
-    kw = dict(checkpointing=False, batch=batch, accumulation=accumulation, tiled=tiled, steps=4)
+    stand-ins: their LoRA weights got no gradient), and gemma3, whose sliding and full layers are handed other
+    position embeddings (the full layers replayed on the sliding ones' rope). Per-step losses and every LoRA
+    gradient of 4 optimizer steps against the same run without graphs, fp32 to 1e-5."""
+    kw = dict(checkpointing=False, batch=batch, accumulation=accumulation, tiled=tiled, steps=4, family=family)
     plain = _train(tmp_path, monkeypatch, graphs_on=False, **kw)
     graphed = _train(tmp_path, monkeypatch, graphs_on=True, **kw)
     torch.testing.assert_close(graphed[0], plain[0], rtol=1e-5, atol=0)

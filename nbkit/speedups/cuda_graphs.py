@@ -100,11 +100,11 @@ def doc_capacity(bucket: int) -> int:
 class _Shared:
     """One bucket's static metadata, shared by its layers and refreshed once per forward."""
 
-    def __init__(self, bucket: int, kernel: Callable, device: torch.device, template: dict) -> None:
+    def __init__(self, bucket: int, kernel: Callable, device: torch.device) -> None:
         self.bucket = bucket
-        cos, sin = template["position_embeddings"]
-        self.cos = torch.zeros((1, bucket, cos.shape[-1]), dtype=cos.dtype, device=device)
-        self.sin = torch.zeros((1, bucket, sin.shape[-1]), dtype=sin.dtype, device=device)
+        # (cos, sin) per layer type (``rope_key``): gemma3's sliding and full layers are handed other ones
+        self.rope: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_given: dict[Any, torch.Tensor] = {}  # this forward's cos per layer type, by identity
         self.tokenwise: dict[str, torch.Tensor] = {}  # position_ids, cache_position, seq_idx: made at first sight
         slots = doc_capacity(bucket) + 2  # 0, the real documents' ends, the padding's end
         self.cu_q = torch.full((slots,), bucket, dtype=torch.int32, device=device)
@@ -113,14 +113,31 @@ class _Shared:
         self.grad_out: Optional[torch.Tensor] = None  # (1, bucket, hidden), made with the first layer's graphs
         self._source: Any = None
 
-    def load(self, tokens: int, kwargs: dict) -> None:
-        """Copy this forward's metadata in (once per forward: every layer is handed the same tensors)."""
+    def load(self, tokens: int, kwargs: dict, key: Any) -> bool:
+        """Copy this forward's metadata in: the rows' once per forward, the position embeddings once per layer type.
+        False when a layer of an already loaded type is handed other (cos, sin): its call must run eagerly."""
         run: PackedRun = kwargs["nbkit_run"]
-        if self._source is run:
-            return
+        if self._source is not run:
+            self._load_rows(tokens, kwargs, run)
+            self._rope_given = {}
         cos, sin = kwargs["position_embeddings"]
-        self.cos[:, :tokens].copy_(cos)
-        self.sin[:, :tokens].copy_(sin)
+        if key in self._rope_given:
+            return self._rope_given[key] is cos
+        static = self.rope_slot(key, (cos, sin))
+        if static[0].shape[-1] != cos.shape[-1] or static[1].shape[-1] != sin.shape[-1]:
+            return False
+        static[0][:, :tokens].copy_(cos)
+        static[1][:, :tokens].copy_(sin)
+        self._rope_given[key] = cos
+        return True
+
+    def rope_slot(self, key: Any, like: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The static (cos, sin) of one layer type (made on first sight, shaped as ``like``)."""
+        if key not in self.rope:
+            self.rope[key] = tuple(t.new_zeros((1, self.bucket, t.shape[-1])) for t in like)
+        return self.rope[key]
+
+    def _load_rows(self, tokens: int, kwargs: dict, run: PackedRun) -> None:
         for key in TOKENWISE_KWARGS:
             if kwargs.get(key) is not None:
                 self._static(key, kwargs[key])[..., :tokens].copy_(kwargs[key])
@@ -136,11 +153,12 @@ class _Shared:
             self.tokenwise[key] = like.new_zeros((*like.shape[:-1], self.bucket))
         return self.tokenwise[key]
 
-    def static_kwargs(self, given: dict) -> Callable[[], dict]:
-        """The layer's keyword arguments for a capture: the given ones with the static tensors in their place and a
-        new ``PackedRun`` over the static buffers at each call (its caches are filled inside the capture)."""
+    def static_kwargs(self, given: dict, key: Any) -> Callable[[], dict]:
+        """The layer's keyword arguments for a capture: the given ones with the static tensors in their place (the
+        position embeddings of its layer type) and a new ``PackedRun`` over the static buffers at each call (its
+        caches are filled inside the capture)."""
         out = {k: v for k, v in given.items() if k not in _DROPPED_KWARGS}
-        out["position_embeddings"] = (self.cos, self.sin)
+        out["position_embeddings"] = self.rope_slot(key, given["position_embeddings"])
         for key in TOKENWISE_KWARGS:
             if given.get(key) is not None:
                 out[key] = self._static(key, given[key])
@@ -173,6 +191,16 @@ CHECKPOINTED = "checkpointed layer"  # its recompute is not graphed; captured at
 HOOKED = "hooks inside the layer"
 UNREACHED = "trainable parameters the graph does not reach (held by reference outside their module)"
 CAPTURE_FAILED = "capture failed"
+
+
+def rope_key(layer: torch.nn.Module) -> Any:
+    """Which (cos, sin) a decoder layer is handed: one per attention type where the model has several (gemma3's
+    sliding layers take the local rope, its full ones the global), the same for all otherwise. A guess checked at
+    every call (``_Shared.load``): a layer handed other ones than its type's runs eagerly."""
+    types, index = getattr(getattr(layer, "config", None), "layer_types", None), getattr(layer, "layer_idx", None)
+    if types and isinstance(index, int) and 0 <= index < len(types):
+        return types[index]
+    return getattr(layer, "attention_type", None)
 
 
 def _layer_reason(layer: torch.nn.Module) -> Optional[str]:
@@ -293,10 +321,12 @@ class CudaGraphs:
                 plan = self._plan(hidden_states, args, kwargs)
                 graphs = plan if isinstance(plan, str) else self._graphs_for(index, plan, hidden_states, kwargs)
                 if isinstance(graphs, GraphedLayer) and graphs.x.requires_grad == hidden_states.requires_grad:
-                    self._shared[plan[0]].load(hidden_states.shape[1], kwargs)
-                    self.replays += 1
-                    return replay(graphs, hidden_states)
-                why = graphs if isinstance(graphs, str) else "the input's requires_grad differs from the capture's"
+                    if self._shared[plan[0]].load(hidden_states.shape[1], kwargs, rope_key(layer)):
+                        self.replays += 1
+                        return replay(graphs, hidden_states)
+                    why = "position embeddings differ between layers of one type"
+                else:
+                    why = graphs if isinstance(graphs, str) else "the input's requires_grad differs from the capture's"
             if why not in self.eager:
                 self._say(f"eager:{why}", f"a layer call ran eagerly: {why}", logging.INFO)
             self.eager[why] = self.eager.get(why, 0) + 1
@@ -366,8 +396,8 @@ class CudaGraphs:
         bucket = variant[0]
         shared = self._shared.get(bucket)
         if shared is None:
-            shared = self._shared[bucket] = _Shared(bucket, kwargs["nbkit_run"].kernel, x.device, kwargs)
-        shared.load(x.shape[1], kwargs)
+            shared = self._shared[bucket] = _Shared(bucket, kwargs["nbkit_run"].kernel, x.device)
+        shared.load(x.shape[1], kwargs, rope_key(self._layers[first]))
         captured: list[GraphedLayer] = []
         attempted: list[int] = []
         x_grad = x.requires_grad
@@ -395,8 +425,9 @@ class CudaGraphs:
                 attempted.append(i)
                 if shared.grad_out is None:
                     shared.grad_out = x.new_zeros((1, bucket, x.shape[-1]))
-                graphs = GraphedLayer(layer, self._originals[i], shared.grad_out, x_grad, shared.static_kwargs(kwargs),
-                                      shared.grad_out, self.backend, pool, label=f"decoder layer {i}")
+                graphs = GraphedLayer(layer, self._originals[i], shared.grad_out, x_grad,
+                                      shared.static_kwargs(kwargs, rope_key(layer)), shared.grad_out, self.backend,
+                                      pool, label=f"decoder layer {i}")
                 before = torch.cuda.memory_allocated(x.device) if x.is_cuda else 0
                 graphs.capture_forward()
                 if x.is_cuda:  # what the forward's graph keeps, twice: the backward's graph comes on top
