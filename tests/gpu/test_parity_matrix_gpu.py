@@ -217,6 +217,8 @@ def train(case: Case, switches: dict[str, Any], workdir: Path, device: str = "cu
     settings.update(args)
     settings.update(switches)
     config = FastSFTConfig(**settings)
+    if device == "cuda":  # selective_checkpointing sizes by the process's peak: an earlier test's must not count
+        torch.cuda.reset_peak_memory_stats()
     with pytest.MonkeyPatch.context() as patch:
         if not liger:
             patch.setattr(fused_kernels, "liger_ops", lambda: None)
