@@ -4,7 +4,8 @@
 #
 # What it does, in order:
 #   1. detects the platform: Colab, Kaggle or other;
-#   2. records the versions of the key packages (to tell later whether a runtime restart is needed);
+#   2. records the versions of the key packages and of every other installed distribution (to tell later which
+#      ones the install changed, and so whether a runtime restart is needed);
 #   3. pins the torch already installed (and torchvision/torchaudio, when present) in a pip constraints file, so
 #      no dependency can replace it: pip fails instead of swapping torch;
 #   4. removes a distribution named "nbkit" if there is one: nbkit's distribution is named nbkit-sft (the import
@@ -137,11 +138,33 @@ for name in sys.argv[1:]:
 EOF
 }
 
+# Every installed distribution, "name version" a line (names normalized as pip compares them): pip may upgrade any
+# dependency on the way (on Colab: pyarrow and huggingface-hub for datasets), and one the runtime imported before
+# is stale as much as a key package is.
+all_versions() {
+    "$PY" - <<'EOF'
+import re
+import sys
+from importlib import metadata
+sys.path[:] = [p for p in sys.path if p not in ("", ".")]  # not the working directory (a checkout's egg-info)
+names = {re.sub(r"[-_.]+", "-", d.metadata["Name"] or "").lower() for d in metadata.distributions()}
+for name in sorted(names - {""}):
+    try:
+        print(name, metadata.version(name))
+    except metadata.PackageNotFoundError:
+        pass
+EOF
+}
+
 version_of() {  # version_of NAME VERSIONS_TEXT -> the version or "-"
     awk -v n="$1" '$1 == n { print $2 }' <<<"$2"
 }
 
 BEFORE="$(versions)"
+BEFORE_ALL=""
+if [[ $DRY_RUN -eq 0 ]]; then
+    BEFORE_ALL="$(all_versions)"
+fi
 
 # ---- pin what the runtime already has ------------------------------------------------------------------------------
 WORK="$(mktemp -d)"
@@ -327,6 +350,18 @@ for pkg in $KEY_PACKAGES; do
         fi
     fi
 done
+# the other distributions that the install changed, listed below the key ones in the same form
+if [[ $DRY_RUN -eq 0 ]]; then
+    AFTER_ALL="$(all_versions)"
+    while read -r pkg before; do
+        [[ -z "$pkg" || " $KEY_PACKAGES torchvision torchaudio " == *" $pkg "* ]] && continue
+        after="$(version_of "$pkg" "$AFTER_ALL")"
+        if [[ -n "$after" && "$after" != "$before" ]]; then
+            printf '    %-13s %s (was %s)\n' "$pkg" "$after" "$before"
+            CHANGED+=("$pkg $before -> $after")
+        fi
+    done <<<"$BEFORE_ALL"
+fi
 if [[ "$TORCH_VERSION" != "-" && "$(version_of torch "$AFTER")" != "$TORCH_VERSION" ]]; then
     say "ERROR: torch changed from $TORCH_VERSION to $(version_of torch "$AFTER")"
     exit 1

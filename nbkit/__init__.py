@@ -1,8 +1,8 @@
 """nbkit: faster, watchable LLM fine-tuning in notebooks.
 
-Public API: ``FastSFT``, ``FastSFTConfig``, ``load_model``, ``LiveDashboard``, and after training ``save_merged``,
-``export_gguf`` (and ``nbkit.chat.chat``). Imported lazily so that
-``import nbkit`` stays cheap in a notebook's first cell.
+Public API: ``FastSFT``, ``FastSFTConfig``, ``load_model``, ``load_jsonl`` (your own JSON Lines data, checked line by
+line), ``LiveDashboard``, and after training ``save_merged``, ``export_gguf`` (and ``nbkit.chat.chat``). Imported
+lazily so that ``import nbkit`` stays cheap in a notebook's first cell.
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ class _DropHubKernelHint(logging.Filter):
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropHubKernelHint())
 
 __version__ = "0.1.0"
-__all__ = ["FastSFT", "FastSFTConfig", "load_model", "LiveDashboard", "save_merged", "export_gguf", "__version__"]
+__all__ = ["FastSFT", "FastSFTConfig", "load_model", "load_jsonl", "LiveDashboard", "save_merged", "export_gguf",
+           "__version__"]
 
 __getattr__ = lazy_exports(__name__, {
     "FastSFT": ".trainer",
     "FastSFTConfig": ".config",
     "load_model": ".loading",
+    "load_jsonl": ".reliability.jsonl",
     "LiveDashboard": ".dashboard",
     "save_merged": ".export",
     "export_gguf": ".export",

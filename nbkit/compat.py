@@ -1,14 +1,23 @@
-"""Names that changed between the transformers versions nbkit supports (5.17 to the newest 5.x), in one place.
+"""What differs between the versions nbkit supports, in one place: transformers 5.15 (Colab's) to the newest 5.x,
+and ipywidgets 7.7 (Colab's 7.7.1) to 8.
 
 transformers 5.2x renamed gradient checkpointing to activation checkpointing and deprecated the old names (a
-FutureWarning on every call). nbkit's own calls use the new name where it exists and the old one elsewhere.
+FutureWarning on every call). nbkit's own calls use the new name where it exists and the old one elsewhere; where a
+dependency still reads an old name on nbkit's behalf, ``quiet_peft_wrap`` keeps that one warning out of sight.
+ipywidgets 7 shows a widget through ``_ipython_display_``, 8 through ``_repr_mimebundle_``: ``widget_mimebundle``
+gives the bundle on both.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+import warnings
+from typing import Any, Iterator, Optional
 
 import torch
+
+# transformers' warning when ``model.is_gradient_checkpointing`` (renamed ``is_activation_checkpointing``) is read
+PEFT_CHECKPOINTING_PROBE = r"`is_gradient_checkpointing` is deprecated"
 
 
 def enable_activation_checkpointing(model: torch.nn.Module, kwargs: Optional[dict[str, Any]] = None) -> None:
@@ -31,3 +40,43 @@ def checkpointing_args(enabled: bool, kwargs: Optional[dict[str, Any]] = None) -
     if kwargs is not None:
         out[f"{prefix}_kwargs"] = kwargs
     return out
+
+
+@contextlib.contextmanager
+def quiet_peft_wrap() -> Iterator[None]:
+    """A block in which PEFT wraps a model (``get_peft_model``, ``PeftModel.from_pretrained``) without transformers'
+    FutureWarning about ``is_gradient_checkpointing``.
+
+    Why: PEFT (0.21) reads ``model.is_gradient_checkpointing`` of every model it wraps, a property transformers 5.2x
+    deprecated for ``is_activation_checkpointing``; the warning is about PEFT's read, which the caller cannot change.
+    Contract: only that warning, only inside the block (the filters are restored on exit, so the same read anywhere
+    else still warns); every other warning passes. Where the old name is not deprecated, nothing changes.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=PEFT_CHECKPOINTING_PROBE, category=FutureWarning)
+        yield
+
+
+# the mime type of a widget's view in a notebook output (the same in ipywidgets 7 and 8)
+WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
+
+
+def widget_mimebundle(widget: Any) -> Any:
+    """The mime bundle that shows ``widget`` in a notebook output, as ipywidgets 8's ``_repr_mimebundle_`` gives it.
+
+    Why: ipywidgets 7 (Colab ships 7.7.1) has no ``_repr_mimebundle_``: a widget there shows itself through
+    ``_ipython_display_``, which publishes its own output at once, so nothing can add other renderings (HTML, plain
+    text) to that output for frontends without a widget manager.
+    Contract: on ipywidgets 8, the widget's own bundle, unchanged (a dict, or a ``(data, metadata)`` tuple); on 7,
+    the bundle its ``_ipython_display_`` would publish (``text/plain`` and ``WIDGET_VIEW_MIME``: its view spec), and
+    its on-displayed callbacks run as that display runs them. A closed widget (7 or 8) gives ``text/plain`` alone.
+    """
+    own = getattr(widget, "_repr_mimebundle_", None)
+    if own is not None:
+        return own()
+    data = {"text/plain": repr(widget)}
+    if getattr(widget, "_ipython_display_", None) is None or getattr(widget, "_view_name", None) is None:
+        return data  # closed (both versions unset their display method on close), or a widget without a view
+    data[WIDGET_VIEW_MIME] = widget.get_view_spec()
+    widget._handle_displayed()
+    return data

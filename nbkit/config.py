@@ -7,6 +7,13 @@ is built:
 - ``bf16`` / ``fp16`` left unset: bf16 where the hardware runs it natively, fp16 on GPUs without fast bf16 (a T4),
   fp32 on a CPU, said in one log line (TRL's own default, bf16, fails on a CPU). A value the user gives stands.
 - ``dataloader_pin_memory`` left unset: on only with an accelerator to copy batches to.
+
+Before any of that, and before TRL's and transformers' own ``__post_init__`` (which compare the values and fail
+with a ``TypeError`` on a string, or let it through to the optimizer): every field typed int or float, whichever
+class declares it, must hold a number of its type (``settings.numeric_fields``, ``settings.as_number``). A numeric
+string (PyYAML reads ``2e-4`` as one) is converted, as TRL's own YAML path converts it, and said in one warning;
+anything else is a ``SettingError`` naming the field, the value and what to pass. ``max_length`` then follows the
+one length rule (``settings.length_problem``): a positive int, or None.
 """
 
 from __future__ import annotations
@@ -188,6 +195,8 @@ class FastSFTConfig(SFTConfig):
     )
 
     def __post_init__(self) -> None:
+        read_numbers(self)
+        settings.check_length("max_length", self.max_length)
         if getattr(self, "activation_checkpointing", False) is None and self.gradient_checkpointing is not None:
             # transformers 5.2x renamed the field; TRL still sets the old one: hand it over without the FutureWarning
             self.activation_checkpointing = self.gradient_checkpointing
@@ -200,6 +209,25 @@ class FastSFTConfig(SFTConfig):
             logger.warning(chosen)
         self.dataloader_pin_memory = settings.pin_memory(self.dataloader_pin_memory, use_cpu=bool(self.use_cpu))
         super().__post_init__()
+
+
+def read_numbers(config: Any) -> None:
+    """Every int or float field of the dataclass ``config`` (a ``FastSFTConfig``, or the plain ``SFTConfig`` or
+    ``TrainingArguments`` a user hands ``FastSFT``) as a number of its type, in place; the conversions said in one
+    warning, anything else a ``SettingError`` (see the module docstring)."""
+    fields = type(config).__dataclass_fields__
+    converted = []
+    for name, (kind, optional) in settings.numeric_fields(type(config)).items():
+        value = getattr(config, name)
+        number, changed = settings.as_number(name, value, kind, optional, default=fields[name].default)
+        if changed:
+            setattr(config, name, number)
+            converted.append(f"{name}={value!r} (a {type(value).__name__}) read as {number!r}")
+    if converted:
+        logger.warning(
+            "nbkit: %s. Pass numbers, not strings: in YAML, unquoted, a float with a dot (2.0e-4; PyYAML reads 2e-4 "
+            "as a string)", "; ".join(converted),
+        )
 
 
 _SWITCH_DEFAULTS = {

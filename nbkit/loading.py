@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from .compat import enable_activation_checkpointing
+from .compat import enable_activation_checkpointing, quiet_peft_wrap
+from .settings import check_length
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,7 @@ def load_tokenizer(
     """The tokenizer of ``name_or_path`` with a pad token (``set_pad_token``) and, if given, ``max_seq_length``."""
     from transformers import AutoTokenizer
 
+    check_length("max_seq_length", max_seq_length)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as error:
@@ -217,12 +219,15 @@ def load_model(
       (e.g. ``["embed_tokens", "lm_head"]`` when the vocabulary must move, as for a new chat format).
     - ``dtype``: ``"auto"`` = ``pick_compute_dtype()``; also the dtype of the weights that stay unquantized.
     - ``max_seq_length``: recorded as ``tokenizer.model_max_length``; a warning if beyond the model's positions.
+      A positive int or None (``nbkit.settings.length_problem``, the rule ``FastSFTConfig.max_length`` follows),
+      checked before anything is loaded: ``SettingError`` (a ``ValueError``) otherwise.
     - Everything else goes to ``AutoModelForCausalLM.from_pretrained``.
 
     Raises ``ModelNotFoundError`` when the model cannot be found (see the module docstring).
     """
     from transformers import AutoModelForCausalLM
 
+    check_length("max_seq_length", max_seq_length)
     if load_in_4bit and not lora_r:
         raise ValueError("a 4-bit base cannot be trained in full: pass lora_r > 0, or load_in_4bit=False")
     hub_keys = ("revision", "token", "cache_dir")
@@ -301,7 +306,8 @@ def load_model(
             bias="none",
             task_type="CAUSAL_LM",
         )
-        model = get_peft_model(model, lora_config)
+        with quiet_peft_wrap():  # PEFT reads a checkpointing name transformers deprecated
+            model = get_peft_model(model, lora_config)
     return model, tokenizer
 
 

@@ -6,7 +6,8 @@
   the training settings for it: the tiny model's are ``nbkit.demo.models.TINY_RECIPE``, the demo's.
 - ``to_prompt_completion`` / ``demo_chat_dataset``: chat rows as TRL's conversational prompt-completion format, so
   the loss covers the answer only with any model's chat template (``assistant_only_loss`` needs templates with
-  ``{% generation %}`` markers, which most shipped templates lack).
+  ``{% generation %}`` markers, which most shipped templates lack). The user's own file is read with
+  ``nbkit.load_jsonl``, which names an empty file or a bad line.
 - ``answers``: greedy chat answers, before and after training.
 - ``RunProbe``: tokens/s (TRL's token count, first step left out), per-step losses and peak CUDA memory of a run.
 - ``sequence_loss``: one number to tell whether two models (trained, reloaded, merged) are the same.
@@ -76,15 +77,27 @@ def pick_model(model_name: str, gpu_default: str, tiny_family: str = "qwen3", fo
 
 def to_prompt_completion(dataset: Any) -> Any:
     """A ``messages`` dataset as conversational prompt-completion: every turn before the last is the prompt, the
-    last (assistant) turn the completion. TRL then trains on the completion only, whatever the chat template."""
+    last (assistant) turn the completion. TRL then trains on the completion only, whatever the chat template.
 
-    def split(row: dict) -> dict:
+    A dataset with ``prompt`` and ``completion`` columns already is returned as it is (a user's file may hold
+    either form); any other columns are a ``ValueError`` naming them, as is a row whose last turn is not the
+    assistant's, by its index."""
+    columns = list(dataset.column_names or [])
+    if "prompt" in columns and "completion" in columns:
+        return dataset
+    if "messages" not in columns:
+        raise ValueError(f"the rows have columns {columns}: expected 'messages' (a list of {{'role', 'content'}} "
+                         "turns, the last the assistant's answer) or 'prompt' and 'completion'. Map your columns "
+                         "to one of these first")
+
+    def split(row: dict, index: int) -> dict:
         messages = row["messages"]
-        if not messages or messages[-1]["role"] != "assistant":
-            raise ValueError("each row's last message must be the assistant's answer")
+        if not messages or messages[-1].get("role") != "assistant":
+            raise ValueError(f"row {index}: the last message must be the assistant's answer (roles: "
+                             f"{[m.get('role') for m in messages or []]})")
         return {"prompt": messages[:-1], "completion": messages[-1:]}
 
-    return dataset.map(split, remove_columns=["messages"])
+    return dataset.map(split, with_indices=True, remove_columns=["messages"])
 
 
 def demo_chat_dataset(n: int, split: str = "train", seed: int = 0) -> Any:

@@ -18,10 +18,20 @@ Contract:
   returns the pair and, when nbkit chose, the one line to log.
 - ``pin_memory(value, use_cpu)``: the user's choice stands; left open, pinning is on only with an accelerator to
   copy to (pinned memory without one does nothing and torch warns about it every epoch).
+- ``length_problem(name, value)``: the one rule for a length or size (``max_length``, ``max_seq_length``, the
+  ``POSITIVE_INT`` switches): an int >= 1 (not a bool), or None where None is allowed.
+- ``numeric_fields(cls)`` / ``as_number(name, value, kind, optional)``: every field of a config dataclass typed int
+  or float (alone or with None), read from its types; the number a value given to one stands for, or
+  ``SettingError``. Numeric strings are converted (see ``as_number`` for why), anything else is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+import numbers
+import typing
 from typing import Any, Optional
 
 from .ops.varlen_attention import KERNELS
@@ -47,16 +57,31 @@ class SettingError(ValueError):
     """A switch given a value it does not accept; the message names the switch and the values it does."""
 
 
+def length_problem(name: str, value: Any, *, optional: bool = True) -> Optional[str]:
+    """Why ``value`` is not a length or size ``name`` can take (an int >= 1, not a bool; None when ``optional``),
+    or None. The unit in the message is bytes for a name ending in ``_bytes``, else tokens."""
+    if value is None and optional:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return None
+    unit = "bytes" if name.endswith("_bytes") else "tokens"
+    return f"{name}={value!r}: use {'None or ' if optional else ''}a positive int (a number of {unit})"
+
+
+def check_length(name: str, value: Any, *, optional: bool = True) -> None:
+    """Raise ``SettingError`` when ``value`` is not a length ``name`` can take (``length_problem``)."""
+    problem = length_problem(name, value, optional=optional)
+    if problem is not None:
+        raise SettingError(problem)
+
+
 def value_problem(name: str, value: Any) -> Optional[str]:
     """Why ``value`` is not allowed for switch ``name``, or None."""
     allowed = SWITCH_VALUES[name]
-    if POSITIVE_INT in allowed and isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return None
-    if any(value is a or (isinstance(a, str) and a != POSITIVE_INT and value == a) for a in allowed):
-        return None
     if POSITIVE_INT in allowed:
-        unit = "bytes" if name.endswith("_bytes") else "tokens"
-        return f"{name}={value!r}: use None or a positive number of {unit}"
+        return length_problem(name, value, optional=None in allowed)
+    if any(value is a or (isinstance(a, str) and value == a) for a in allowed):
+        return None
     if allowed == AUTO_BOOL:
         return f"{name}={value!r}: use True, False or 'auto'"
     return f"{name}={value!r}: choose one of {', '.join(repr(a) for a in allowed)}"
@@ -67,6 +92,78 @@ def check_value(name: str, value: Any) -> None:
     problem = value_problem(name, value)
     if problem is not None:
         raise SettingError(problem)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Numbers
+# --------------------------------------------------------------------------------------------------------------------
+@functools.cache
+def numeric_fields(cls: type) -> dict[str, tuple[type, bool]]:
+    """name -> (int or float, whether None is allowed) for every field of dataclass ``cls`` typed int or float,
+    alone or with None (``Optional[int]``, ``float | None``; ``int | float`` counts as float). Fields whose type
+    allows anything else (``int | str``, lists) are not numbers to check."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # a hint that cannot be resolved: read the ones that are types already
+        hints = {f.name: f.type for f in dataclasses.fields(cls) if isinstance(f.type, type)}
+    found = {}
+    for f in dataclasses.fields(cls):
+        hint = hints.get(f.name)
+        members = set(typing.get_args(hint)) or {hint}
+        optional = type(None) in members
+        members.discard(type(None))
+        if members and members <= {int, float}:
+            found[f.name] = (float if float in members else int, optional)
+    return found
+
+
+def _example(kind: type, default: Any) -> str:
+    if isinstance(default, numbers.Real) and not isinstance(default, bool):
+        return repr(kind(default))
+    return "1" if kind is int else "0.1"
+
+
+def as_number(name: str, value: Any, kind: type, optional: bool = False, default: Any = None) -> tuple[Any, bool]:
+    """(the number ``value`` stands for as field ``name`` of type ``kind``, whether it was converted).
+
+    Numbers of the field's type pass unchanged (an int where a float is expected too). A string that reads as a
+    number of the field's type is converted, and so is a whole float for an int field (``2.0``, ``"1e3"``): that is
+    what TRL users get from TRL's own YAML path (``TrlParser --config`` hands YAML values to argparse, which
+    converts them with the field's type), and PyYAML reads ``2e-4`` as a string (YAML 1.1 needs a dot:
+    ``2.0e-4``), so a config built from ``yaml.safe_load`` meant the number. The caller says what was converted.
+    Refused with ``SettingError``, naming the field, the value, its type and what to pass: a bool, a string that is
+    no number, a number with a fraction for an int field, None where None is not allowed, anything else.
+    """
+    if value is None and optional:
+        return value, False
+    if isinstance(value, bool):
+        number: Any = None
+    elif isinstance(value, numbers.Integral) or (kind is float and isinstance(value, numbers.Real)):
+        return value, False
+    elif isinstance(value, numbers.Real):
+        number = float(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        try:
+            number = int(text)  # exact for big ints, which float() would round
+        except ValueError:
+            try:
+                number = float(text)
+            except ValueError:
+                number = None
+    else:
+        number = None
+    what = "an int" if kind is int else "a float"
+    expected = f"{name}={_example(kind, default)} ({what}{', or None' if optional else ''})"
+    article = "an" if type(value).__name__[0] in "aeiou" else "a"
+    given = f"{name}={value!r}" + ("" if value is None else f" ({article} {type(value).__name__})")
+    if number is None:
+        raise SettingError(f"{given} is not a number: pass {expected}")
+    if kind is float:
+        return float(number), True
+    if isinstance(number, float) and not (math.isfinite(number) and number.is_integer()):
+        raise SettingError(f"{given} is not {what}: pass {expected}")
+    return int(number), True
 
 
 def _get(args: Any, name: str, default: Any = None) -> Any:

@@ -10,15 +10,17 @@ bootstraps with two commands that cannot replace the runtime's torch::
 
 ``main`` (``python -m nbkit setup``, ``python -m nbkit.setup``, ``nbkit setup``) takes the script's options,
 ``--from SOURCE`` (default ``DEFAULT_SOURCE``), ``--flash``, ``--dry-run``, ``--python`` (default: this
-interpreter), with a usage of its own, and ``--check``: say which ``nbkit`` this Python imports (``which_nbkit``;
-the script runs it after installing). ``run_setup(args)`` passes ``args`` to the script unchanged. The script's
-output is streamed line by line (a notebook shows it live, which ``subprocess.run`` without capture would not: the
-child would write to the kernel's own terminal).
+interpreter), with a usage of its own, and ``--check``: say which ``nbkit`` this Python imports (``which_nbkit``
+reads the facts, ``judge`` decides; an editable install counts; the script runs it after installing).
+``run_setup(args)`` passes ``args`` to the script unchanged. The script's output is streamed line by line (a
+notebook shows it live, which ``subprocess.run`` without capture would not: the child would write to the kernel's
+own terminal).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 from importlib import machinery, metadata, resources
 from pathlib import Path
 from typing import Optional, Sequence, TextIO
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 SCRIPT_NAME = "colab_setup.sh"
 RESTART_MARKER = "NBKIT_RESTART_NEEDED="
@@ -58,20 +62,112 @@ def script_path() -> Path:
 
 
 @dataclass(frozen=True)
-class ImportCheck:
-    """Which ``nbkit`` an ``import nbkit`` in this Python finds."""
+class ImportFacts:
+    """What decides which ``nbkit`` an ``import nbkit`` here loads (``which_nbkit`` reads them; ``judge`` decides)."""
 
     owners: tuple[str, ...]  # the distributions that install a top-level package nbkit (normalized names)
-    path: Optional[str]  # the package directory found (None: no nbkit at all)
-    ours: bool  # this project: nbkit-sft alone owns the package, which holds setup.py and colab_setup.sh
+    path: Optional[str]  # the package directory the import system finds (None: no nbkit at all)
+    project_files: bool  # that directory holds setup.py and colab_setup.sh: this project's package
+    editable_from: Optional[str] = None  # the folder nbkit-sft is installed editable from (direct_url.json)
+
+
+@dataclass(frozen=True)
+class ImportCheck:
+    """Which ``nbkit`` an ``import nbkit`` in this Python finds, and what to do when it is not this project."""
+
+    facts: ImportFacts
+    ours: bool
+
+    @property
+    def owners(self) -> tuple[str, ...]:
+        return self.facts.owners
+
+    @property
+    def path(self) -> Optional[str]:
+        return self.facts.path
 
     def describe(self) -> str:
+        facts = self.facts
         if self.ours:
-            return f"import nbkit: this project ({DISTRIBUTION}), from {self.path}"
-        owners = ",".join(self.owners) or "no distribution"
-        return (f"import nbkit does not load this project ({DISTRIBUTION}): it finds {self.path or 'nothing'}, "
-                f"installed by '{owners}'. Run: {sys.executable} -m pip uninstall -y nbkit {DISTRIBUTION}, then "
-                f"install {DISTRIBUTION} again (colab_setup.sh does both)")
+            how = f" editable from {facts.editable_from}" if facts.editable_from else ""
+            return f"import nbkit: this project ({DISTRIBUTION}{how}), from {facts.path}"
+        found = facts.path or "nothing"
+        if facts.path:
+            found += f", installed by '{','.join(facts.owners) or 'no distribution'}'"
+        return f"import nbkit does not load this project ({DISTRIBUTION}): it finds {found}. {_advice(facts)}"
+
+
+def _inside(path: Optional[str], folder: Optional[str]) -> bool:
+    if not path or not folder:
+        return False
+    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))
+
+
+def judge(facts: ImportFacts) -> ImportCheck:
+    """This project is what ``import nbkit`` loads when the package found holds its files and nbkit-sft alone
+    installed it: per the metadata, or as the editable install's folder (which some build backends' metadata does
+    not name as a package)."""
+    others = [o for o in facts.owners if o != DISTRIBUTION]
+    installed = DISTRIBUTION in facts.owners or _inside(facts.path, facts.editable_from)
+    return ImportCheck(facts, bool(facts.path) and facts.project_files and installed and not others)
+
+
+def _advice(facts: ImportFacts) -> str:
+    """What to do when ``import nbkit`` is not this project. Uninstalling nbkit-sft is advised only where it shares
+    the package folder with another distribution (removing that one would take nbkit-sft's files along), and then
+    with its reinstall; an editable nbkit-sft keeps its files in its checkout, so it is never to be uninstalled."""
+    pip = f"{sys.executable} -m pip"
+    others = " ".join(o for o in facts.owners if o != DISTRIBUTION)
+    if others and facts.editable_from:
+        return (f"Run: {pip} uninstall -y {others} ({DISTRIBUTION} stays installed editable from "
+                f"{facts.editable_from})")
+    if others:
+        return (f"Run: {pip} uninstall -y {others} {DISTRIBUTION}, then install {DISTRIBUTION} again "
+                f"(colab_setup.sh does both; they share the package folder)")
+    if facts.editable_from and facts.path and not _inside(facts.path, facts.editable_from):
+        return (f"{facts.path} comes first on sys.path, before {DISTRIBUTION} installed editable from "
+                f"{facts.editable_from}: take its folder off PYTHONPATH (or sys.path)")
+    if facts.editable_from:
+        return (f"{DISTRIBUTION} is installed editable from {facts.editable_from}, which holds no nbkit package "
+                f"now: restore that checkout, or install again from where it is: {pip} install -e <checkout>")
+    if facts.owners:
+        return (f"{DISTRIBUTION} is installed but its package files are missing: install it again, "
+                f"{pip} install --force-reinstall --no-deps <what you installed it from>")
+    return f"{DISTRIBUTION} is not installed in this Python: install it ({SCRIPT_NAME}, or python -m nbkit setup)"
+
+
+def _installed_path() -> list[str]:
+    """``sys.path`` without the working directory, so that a checkout there does not stand in for an install."""
+    here = os.getcwd()
+    return [p for p in sys.path if p not in ("", ".") and os.path.abspath(p) != here]
+
+
+def _find_package(path: list[str]) -> Optional[machinery.ModuleSpec]:
+    """The spec the import system finds for the top-level ``nbkit``, asking ``sys.meta_path``'s finders in order as
+    ``import`` does: the path finder over ``path``, then the others (an editable install's finder among them)."""
+    for finder in sys.meta_path:
+        if finder is machinery.PathFinder or isinstance(finder, machinery.PathFinder):
+            spec = machinery.PathFinder.find_spec("nbkit", path)
+        else:
+            find = getattr(finder, "find_spec", None)
+            spec = find("nbkit", None) if find is not None else None
+        if spec is not None:
+            return spec
+    return None
+
+
+def _editable_from(path: list[str]) -> Optional[str]:
+    """The folder nbkit-sft is installed editable from, per its ``direct_url.json`` (PEP 610); else None."""
+    dist = next(iter(metadata.distributions(name=DISTRIBUTION, path=path)), None)
+    text = dist.read_text("direct_url.json") if dist is not None else None
+    try:
+        info = json.loads(text) if text else {}
+    except ValueError:
+        return None
+    url = urlparse(str(info.get("url", "")))
+    if not (info.get("dir_info") or {}).get("editable") or url.scheme != "file":
+        return None
+    return url2pathname(url.path)
 
 
 def which_nbkit() -> ImportCheck:
@@ -79,15 +175,17 @@ def which_nbkit() -> ImportCheck:
 
     The working directory is left out of the search, so a checkout there does not stand in for what is installed.
     Why it matters: "nbkit" on PyPI is an unrelated project that installs the same package directory; whichever was
-    installed last owns ``nbkit/__init__.py``.
+    installed last owns ``nbkit/__init__.py``. An editable install (``pip install -e``) is found through the finder
+    it adds to ``sys.meta_path``, not a folder on ``sys.path``.
     """
+    path = _installed_path()
     names = metadata.packages_distributions().get("nbkit", [])
     owners = tuple(sorted({re.sub(r"[-_.]+", "-", name).lower() for name in names}))
-    spec = machinery.PathFinder.find_spec("nbkit", [p for p in sys.path if p not in ("", ".")])
+    spec = _find_package(path)
     places = list(spec.submodule_search_locations or []) if spec is not None else []
     ours = [p for p in places if all(os.path.isfile(os.path.join(p, f)) for f in ("setup.py", SCRIPT_NAME))]
-    path = ours[0] if ours else (places[0] if places else None)
-    return ImportCheck(owners, path, owners == (DISTRIBUTION,) and bool(ours))
+    found = ours[0] if ours else (places[0] if places else None)
+    return judge(ImportFacts(owners, found, bool(ours), _editable_from(path)))
 
 
 _CHANGED = re.compile(r"^\s{4}(\S+)\s+(\S+) \(was (\S+)\)\s*$")

@@ -26,6 +26,7 @@ from trl import SFTConfig, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from . import speedups
+from .config import FastSFTConfig, read_numbers
 from .config import switch as _switch
 from .reliability.trainer_mixin import ReliableTraining
 from .speedups.ledger import Speedup
@@ -79,6 +80,8 @@ gradient clip and ``zero_grad`` walk the trainable parameters only (``nbkit.step
 
     def __init__(self, model: Any = None, args: SFTConfig | None = None, data_collator: Any = None, *pargs: Any,
                  **kwargs: Any) -> None:
+        if args is not None and not isinstance(args, FastSFTConfig):
+            read_numbers(args)  # a plain SFTConfig checks no types: "2e-4" would fail inside torch's optimizer
         self._nbkit_user_collator = data_collator is not None
         self._speedups: list[Speedup] = []
         self._train_stage = _TrainStageSpeedups()
@@ -169,7 +172,11 @@ gradient clip and ``zero_grad`` walk the trainable parameters only (``nbkit.step
                 for s in self._speedups + self._train_stage.attached if getattr(s, "engaged", True)]
 
     def train(self, *args: Any, **kwargs: Any):
-        """``SFTTrainer.train`` with the speedups attached (and ``ReliableTraining``'s handling around the step)."""
+        """``SFTTrainer.train`` with the speedups attached (and ``ReliableTraining``'s handling around the step).
+        What ``chat`` kept on the model for fast decoding is freed first: its dense copy's memory is training's."""
+        from .chat import release_decoders
+
+        release_decoders(self.model)
         with self.nbkit_speedups(), self._trl_router_setting():
             return super().train(*args, **kwargs)
 

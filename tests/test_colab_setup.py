@@ -92,6 +92,7 @@ if [[ "$1" == "-m" && "$2" == "pip" ]]; then
             spec="${d%%:*}"; pkg=""; [[ "$d" == *:* ]] && pkg="${d#*:}"
             name="${spec%%=*}"; ver="${spec#*=}"
             info="$FAKE_SITE/${name//-/_}-${ver}.dist-info"
+            rm -rf "$FAKE_SITE/${name//-/_}"-*.dist-info  # an upgrade replaces the version installed, as pip does
             mkdir -p "$info"
             printf 'Metadata-Version: 2.1\nName: %s\nVersion: %s\n' "$name" "$ver" >"$info/METADATA"
             if [[ -n "$pkg" ]]; then
@@ -389,6 +390,32 @@ def test_install_reports_restart_when_an_installed_package_changed(box):
     assert "restart needed: yes" in r.stdout and "transformers " in r.stdout.split("restart needed: yes")[1]
     assert "Colab: Runtime > Restart session" in r.stdout
     assert r.stdout.rstrip().endswith("NBKIT_RESTART_NEEDED=1")
+
+
+def test_a_dependency_upgraded_on_the_way_is_reported_and_needs_a_restart(box):
+    """On Colab's image pip upgrades packages nbkit does not name (datasets needs a newer pyarrow and
+    huggingface-hub); one the runtime had imported is stale, so it is listed as changed and counts for the restart.
+    Packages that pip left alone, or installed new, are not listed."""
+    from nbkit.setup import SetupResult
+
+    fake_dist(box.site, "torch", "2.11.0+cu128")
+    fake_dist(box.site, "transformers", "5.15.1")
+    fake_dist(box.site, "pyarrow", "18.1.0")
+    fake_dist(box.site, "huggingface_hub", "1.17.0")
+    fake_dist(box.site, "numpy", "2.0.2")
+    box.fake_pip(installs="pyarrow=26.0.1 huggingface-hub=1.33.0 trl=1.16.0 xxhash=3.7.0")
+    fake_gpu(box.bin, None)
+    r = box.run(COLAB_RELEASE_TAG="release")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "    transformers  5.15.1\n" in out and "    trl           1.16.0 (was -)" in out
+    assert "    pyarrow       26.0.1 (was 18.1.0)" in out and "    huggingface-hub 1.33.0 (was 1.17.0)" in out
+    assert "numpy" not in out and "xxhash" not in out
+    assert "restart needed: yes, if this runtime imported any of: huggingface-hub 1.17.0 -> 1.33.0; pyarrow" in out
+    assert out.rstrip().endswith("NBKIT_RESTART_NEEDED=1")
+    changed = SetupResult(r.returncode, True, out).changed
+    assert changed["pyarrow"] == ("18.1.0", "26.0.1") and changed["huggingface-hub"] == ("1.17.0", "1.33.0")
+    assert "transformers" not in changed and "numpy" not in changed
 
 
 def test_install_without_changes_needs_no_restart(box):

@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+from dashboard_fakes import FakeKernel
 from transformers import TrainerControl, TrainerState
 
 from nbkit import dashboard as dash
@@ -135,7 +136,7 @@ def test_renders_only_from_the_training_thread(fake_display):
 
 
 def _shell(kernel: bool, config: dict | None = None):
-    return types.SimpleNamespace(kernel=object() if kernel else None, config=config or {})
+    return types.SimpleNamespace(kernel=FakeKernel() if kernel else None, config=config or {})
 
 
 @pytest.mark.parametrize(

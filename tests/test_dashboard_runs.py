@@ -124,6 +124,9 @@ import io, types, torch
 from transformers import TrainerCallback, TrainerControl, TrainerState
 from nbkit.dashboard import LiveDashboard, MemoryReading, in_notebook, resolve_mode
 print("in_notebook", in_notebook(), "mode", resolve_mode("auto"))
+shell, published = get_ipython(), []  # the mime types of every output the kernel publishes
+publish = shell.display_pub.publish
+shell.display_pub.publish = lambda data, *a, **k: (published.append(sorted(data)), publish(data, *a, **k))[1]
 t = [0.0]
 d = LiveDashboard(clock=lambda: t[0], memory_reader=lambda: MemoryReading(gpu_name="Fake GPU", allocated=2**30,
                   reserved=2**31, peak=2**31, total=2**33, host_used=2**30, host_total=2**32))
@@ -136,6 +139,7 @@ for i in range(1, 201):
     d.on_step_end(args, state, control)
     d.on_log(args, state, control, logs={"loss": 3.0 / i, "num_tokens": 64.0 * i, "learning_rate": 1e-4})
 d.on_train_end(args, state, control)
+print("first output", published[0], "outputs", len(published))
 print("renders", d.renders, "mode", d.active_mode)
 """
 
@@ -151,6 +155,13 @@ def test_in_a_real_kernel_the_widget_output_becomes_the_summary():
     outputs = nb.cells[0].outputs
     printed = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "in_notebook True mode widget" in printed and "mode widget" in printed.splitlines()[-1]
+    import ipywidgets
+
+    # the live panel's output, on this ipywidgets (7 as on Colab, or 8): the widget's view, its HTML, the text line
+    first = "first output ['application/vnd.jupyter.widget-view+json', 'text/html', 'text/plain']"
+    assert first in printed, (ipywidgets.__version__, printed)
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert "Traceback" not in "".join(o.get("text", "") for o in outputs if o.get("name") == "stderr")
     displays = [o for o in outputs if o.output_type == "display_data"]
     assert len(displays) == 1  # one output for the whole run
     data = displays[0]["data"]

@@ -62,3 +62,68 @@ def test_load_model_enables_checkpointing_under_the_installed_name(tmp_path, loa
     assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     if hasattr(PreTrainedModel, "activation_checkpointing_enable"):  # the new name exists: nbkit must not use the old
         assert [c for c in callers if c.startswith("nbkit")] == [], callers
+
+
+def _deprecated_probe() -> bool:
+    """Whether reading ``is_gradient_checkpointing`` warns here (transformers with the new name deprecates it)."""
+    from transformers import PreTrainedModel
+
+    return hasattr(PreTrainedModel, "is_activation_checkpointing")
+
+
+def test_quiet_peft_wrap_hides_only_the_read_peft_makes_of_the_deprecated_name(tmp_path, one_thread):
+    """PEFT reads ``is_gradient_checkpointing`` of every model it wraps (the FutureWarning a notebook printed); inside
+    ``quiet_peft_wrap`` that one warning is gone, any other warning passes, and the same read after the block warns."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from nbkit.compat import quiet_peft_wrap
+
+    folder = tmp_path / "base"
+    build_base(folder, "qwen3", seed=0)
+    lora = LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        get_peft_model(AutoModelForCausalLM.from_pretrained(str(folder)), lora)
+    assert bool(_deprecations(caught)) == _deprecated_probe()  # what the block is for: PEFT warns without it
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with quiet_peft_wrap():
+            model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(folder)), lora)
+            warnings.warn("another FutureWarning", FutureWarning, stacklevel=1)
+        inside = list(caught)
+        assert model.get_base_model().is_gradient_checkpointing is False
+    assert _deprecations(inside) == [] and [str(w.message) for w in inside] == ["another FutureWarning"]
+    assert len(_deprecations(caught)) == int(_deprecated_probe())
+
+
+def test_load_model_with_lora_raises_no_checkpointing_deprecation(tmp_path, one_thread):
+    """``load_model`` wraps the model with PEFT, which reads the deprecated name: the warning every notebook run
+    printed, in its first training cell."""
+    from nbkit import load_model
+
+    folder = tmp_path / "base"
+    build_base(folder, "qwen3", seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_model(str(folder), load_in_4bit=False)
+    assert _deprecations(caught) == []
+
+
+def test_save_merged_raises_no_checkpointing_deprecation(tmp_path, one_thread):
+    """``save_merged`` puts the adapter on a 16-bit copy of the base with PEFT, which reads the deprecated name."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nbkit.compat import quiet_peft_wrap
+    from nbkit.export import save_merged
+
+    folder = tmp_path / "base"
+    build_base(folder, "qwen3", seed=0)
+    with quiet_peft_wrap():
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(folder)),
+                               LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save_merged(model, AutoTokenizer.from_pretrained(str(folder)), tmp_path / "merged", check_prompts=[])
+    assert _deprecations(caught) == []

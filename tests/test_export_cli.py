@@ -4,6 +4,7 @@ SOURCE; clear failures; the Hub upload refused offline with the files already wr
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -43,6 +44,42 @@ def test_a_model_folder_exports_to_a_named_gguf_file_and_cannot_be_merged(demo_o
     assert main([str(demo_out / "base"), "--to", "gguf", "--out", str(target), "--no-check"]) == 0
     assert target.is_file()
     assert main([str(demo_out / "base"), "--to", "merged", "--out", str(tmp_path / "m")]) == 2
+
+
+def demo_run_elsewhere(demo_out, root):
+    """The demo's output as a run from ``root`` leaves it: ``root/nbkit-demo-out/{base,adapter}``, the adapter's
+    config naming its base by the relative path the demo was given (``nbkit-demo-out/base``)."""
+    out = root / "nbkit-demo-out"
+    shutil.copytree(demo_out / "base", out / "base")
+    shutil.copytree(demo_out / "adapter", out / "adapter")
+    config = out / "adapter" / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": "nbkit-demo-out/base"}))
+    return out / "adapter"
+
+
+def test_an_adapter_naming_its_base_relatively_exports_from_another_folder(demo_out, tmp_path, monkeypatch):
+    adapter = demo_run_elsewhere(demo_out, tmp_path / "project")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main([str(adapter), "--to", "gguf", "--out", str(tmp_path / "gguf")]) == 0
+    gguf_file = tmp_path / "gguf" / "nbkit-demo-out-f16.gguf"
+    assert json.loads(gguf_file.with_suffix(".export.json").read_text())["check"]["ok"]
+
+
+def test_a_missing_relative_base_fails_fast_naming_it_where_it_looked_and_base(demo_out, tmp_path, monkeypatch,
+                                                                               capsys):
+    adapter = demo_run_elsewhere(demo_out, tmp_path / "project")
+    shutil.rmtree(tmp_path / "project" / "nbkit-demo-out" / "base")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main([str(adapter), "--to", "gguf", "--out", str(tmp_path / "gguf")]) == 1
+    err = capsys.readouterr().err
+    assert "'nbkit-demo-out/base'" in err and "adapter_config.json" in err
+    assert str(tmp_path / "nbkit-demo-out" / "base") in err  # the working directory
+    assert str(tmp_path / "project" / "nbkit-demo-out" / "base") in err  # beside the adapter's folder
+    assert "HF_HUB_OFFLINE is set" in err and "--base <folder or hub id>" in err
+    assert "huggingface.co" not in err
 
 
 def test_a_folder_that_is_neither_fails_with_a_message(tmp_path, capsys):

@@ -335,3 +335,13 @@ def test_detect_format_matches_trl_on_the_first_row():
     fmt = detect_format("d", conv)
     assert fmt.kind == "prompt_completion" and fmt.conversational
     assert detect_format("d", Dataset.from_dict({"input_ids": [[1, 2]], "text": ["x"]})).kind == "tokenized"
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_a_plain_sftconfig_max_length_below_one_is_named_by_the_length_rule(tokenizer, value):
+    """SFTConfig does not check max_length; FastSFT given one checks it with FastSFTConfig's rule, before any
+    document is measured against it."""
+    args = SFTConfig(output_dir="unused", bf16=False, use_cpu=True, report_to=[], max_length=value)
+    with pytest.raises(InputError) as caught:
+        check(make_dataset("text", n=4), tokenizer, args)
+    assert str(caught.value) == f"max_length={value}: use None or a positive int (a number of tokens)"

@@ -259,6 +259,19 @@ def test_max_seq_length(saved, caplog):
     assert "max_position_embeddings" in caplog.text
 
 
+@pytest.mark.parametrize("value", [0, -5, 8.0, True])
+def test_max_seq_length_must_be_a_positive_int_said_before_loading(saved, value):
+    folder, _ = saved
+    with pytest.raises(ValueError) as caught:
+        load_model(str(folder), load_in_4bit=False, lora_r=4, max_seq_length=value)
+    from nbkit.settings import length_problem
+
+    assert str(caught.value) == length_problem("max_seq_length", value)
+    assert str(caught.value).startswith(f"max_seq_length={value!r}: use None or a positive int")
+    with pytest.raises(ValueError, match=r"^max_seq_length=0: "):
+        load_model(str(folder / "missing"), max_seq_length=0)  # before the model is looked for
+
+
 # --- not found -----------------------------------------------------------------------------------------------------
 
 

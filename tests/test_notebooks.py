@@ -10,6 +10,7 @@ Set ``NBKIT_EXECUTED_DIR`` to keep the executed notebooks (the browser test and 
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import os
@@ -220,6 +221,61 @@ def test_setup_cell_runs_colab_setup_on_colab(tmp_path, monkeypatch):
         assert f"+ pip install -q --no-deps {ROOT}" in text
 
 
+# A CPU with AVX512-BF16, as far as bitsandbytes can tell: there it tries to fetch a kernel from the Hub when it is
+# imported, and logs a "kernels-community" line when it cannot.
+FAKE_AVX512_BF16 = """
+import importlib.abc, importlib.machinery, sys
+
+class _AVX512BF16(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "bitsandbytes.functional":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.has_avx512bf16 = lambda: True
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, _AVX512BF16())
+"""
+
+
+def notebook_imports(name: str) -> str:
+    """The notebook's top-level import statements, in the order its cells run them."""
+    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    return "\n".join(ast.unparse(node) for cell in nb.cells if cell.cell_type == "code"
+                     for node in ast.parse(cell.source).body if isinstance(node, (ast.Import, ast.ImportFrom)))
+
+
+def run_imports(code: str, cwd: Path) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, "-c", FAKE_AVX512_BF16 + code], capture_output=True, text=True, env=env,
+                            cwd=cwd, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def hub_kernel_hint(tmp_path_factory) -> bool:
+    """Whether this bitsandbytes prints the line at all on such a CPU (it does when imported before nbkit)."""
+    return "kernels-community" in run_imports("from trl import SFTTrainer\nimport nbkit", tmp_path_factory.mktemp("bnb"))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_imports_print_no_hub_kernel_hint_on_an_avx512_bf16_cpu(name, tmp_path, hub_kernel_hint):
+    """nbkit drops bitsandbytes' "kernels-community" line (advice to ``pip install kernels`` that does not apply) from
+    the moment it is imported (nbkit/__init__.py), so each notebook imports nbkit before what imports bitsandbytes
+    (TRL, PEFT)."""
+    if not hub_kernel_hint:
+        pytest.skip("this bitsandbytes does not try Hub kernels on an AVX512-BF16 CPU")
+    printed = run_imports(notebook_imports(name) + "\nimport sys\nassert 'bitsandbytes' in sys.modules", tmp_path)
+    assert "kernels-community" not in printed, printed
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the length search of 03: predicted before it runs (fast, no notebook)
 
@@ -341,6 +397,14 @@ def run(name: str, workdir: Path, block: tuple[str, ...] = (), params: dict | No
     return nb, results
 
 
+STOP_TOKEN_WARNING = "has a stop token among its trained labels"  # nbkit.reliability.stop_token's warning
+
+
+def renamed_argument_warnings(text: str) -> list[str]:
+    """transformers 5.2x's FutureWarnings for TrainingArguments' old checkpointing names, as a cell printed them."""
+    return re.findall(r"FutureWarning: `gradient_checkpointing\w*` is deprecated", text)
+
+
 def test_01_qlora_quickstart(workdir):
     from nbkit.demo.models import TINY_RECIPE
 
@@ -397,9 +461,13 @@ def test_02_speed_lab(workdir):
         assert row["tokens_per_second"] > 0 and math.isfinite(row["tokens_per_second"])
         assert len(row["losses"]) == PARAMS["02_speed_lab"]["max_steps"]
         assert row["peak_vram"] is None  # CPU: not measured, and not faked
-    # the switches change speed only: every loss curve lies on the plain one
-    assert r["losses_coincide"] and r["tolerance"] == 1e-3
+    # the switches change speed only: at step 1 (same weights, same batch) every run gives plain TRL's loss and
+    # gradient norm up to rounding, and in 6 steps the rounding carried forward keeps the curves within 1e-3
+    assert r["same_first_step"] and r["first_step_tolerance"] == 1e-4
+    assert all(row["first_step_gap"] <= 1e-4 for row in rows.values())
     assert all(row["max_relative_loss_gap"] <= 1e-3 for row in rows.values())
+    assert "match 'SFTTrainer (plain TRL)' within 1e-04 relative: True" in all_text(nb)
+    assert renamed_argument_warnings(all_text(nb)) == []  # plain TRL's SFTConfig gets the name transformers has
     # each switch did what its name says
     assert rows["SFTTrainer (plain TRL)"]["nbkit_attached"] == []
     assert any(n.startswith("cached_packing") for n in rows["FastSFT (defaults)"]["nbkit_attached"])
@@ -452,6 +520,8 @@ def test_03_long_context_with_its_defaults_stops_within_the_machine(workdir):
         assert all(row["host_peak"] < total for row in tried.values())
     assert r["max_relative_gap"] is not None and r["max_relative_gap"] <= r["tolerance"] == 1e-4
     assert "same loss and gradient norm for both trainers: True" in text
+    assert STOP_TOKEN_WARNING not in text  # its documents end with eos: the stop token is trained
+    assert renamed_argument_warnings(text) == []
     assert "CPU run: no VRAM limit to find" in text and "| plain TRL |" in text and "| FastSFT |" in text
 
 
@@ -464,13 +534,21 @@ def test_04_moe_finetune(workdir):
     assert r["loss_last"] < r["loss_first"] and r["loss_trained"] < r["loss_before"]
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(r["adapter_files"])
     assert abs(r["loss_reloaded"] - r["loss_trained"]) <= 1e-4 * r["loss_trained"]
+    assert r["chat_reply"].strip() == r["answers_after"][0].strip(), (r["chat_reply"], r["answers_after"][0])
+    # it ends with an export: the merged MoE model as GGUF, read back and checked by logits, a Modelfile beside it
+    assert r["merge"]["check"]["ok"] and r["gguf"]["check"]["ok"] and r["gguf"]["modelfile"], r.get("gguf")
+    assert (workdir / "nbkit-out" / "04_moe_finetune" / "gguf" / "model-q8_0.gguf").stat().st_size > 0
     available, message = feature("nbkit.speedups.moe", "FastMoERouting")
     assert r["routing_available"] == available
     if not available:
         assert "NOT available" in text and message in text
         return
     assert r["routing_used"], "fast_moe_routing did not attach to the tiny qwen3_moe"
-    assert r["max_relative_loss_gap"] <= r["loss_tolerance"] == 1e-3
+    # step 1 (same weights, same batch): the two experts paths agree up to rounding; in 10 steps the rounding carried
+    # forward keeps the curves within 1e-3
+    assert r["first_step_gap"] <= r["first_step_tolerance"] == 1e-4
+    assert "same loss and gradient norm within 1e-04 relative: True" in text
+    assert r["max_relative_loss_gap"] <= 1e-3
     assert r["plain_tokens_per_second"] > 0
     summaries = dashboard_outputs(nb)
     assert len(summaries) == 2
@@ -493,6 +571,7 @@ def test_03_says_what_is_missing_without_offload(workdir):
         assert list(r["tried"][path]) == ["128", "256", "512", "1024"] and r["longest_fit"][path] == 1024
         assert r["stopped"][path] == "reached the search limit, max_try_length=1,024"
     assert r["max_relative_gap"] <= r["tolerance"] == 1e-4  # what exists is compared, nothing made up
+    assert STOP_TOKEN_WARNING not in text
 
 
 def test_03_refuses_a_path_it_does_not_know(workdir):

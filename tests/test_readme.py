@@ -1,5 +1,6 @@
-"""The README's "Use it" snippet runs as written on a CPU, with only the model name pointed at a local folder (no
-hub here) and fewer steps: mixed precision follows the hardware, training runs, and ``chat`` answers."""
+"""The README's code runs on a CPU: the "Use it" snippet as written, with only the model name pointed at a local folder
+(no hub here) and fewer steps (mixed precision follows the hardware, training runs, and ``chat`` answers); the "Your
+own data" script exactly as written (it builds its own local model and data)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import pytest
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def _snippet() -> str:
+def _snippet(section: str = "## Use it") -> str:
+    """The first python block of ``section``."""
     text = README.read_text()
-    return text.split("## Use it", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    return text.split(f"\n{section}\n", 1)[1].split("```python", 1)[1].split("```", 1)[0]
 
 
 @pytest.mark.slow
@@ -32,3 +34,18 @@ def test_use_it_snippet_runs_as_written_on_a_cpu(tmp_path, monkeypatch, one_thre
     assert scope["trainer"].state.global_step == 3
     assert scope["trainer"].args.bf16 is not True  # fp32 on a CPU, chosen without being asked
     assert capsys.readouterr().out.strip(), "chat printed no answer"
+
+
+@pytest.mark.slow
+def test_your_own_data_script_runs_as_written_and_trains_the_assistant_turns_only(tmp_path, monkeypatch, one_thread):
+    code = _snippet("## Your own data")
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(code, str(README), "exec"), scope)
+    trainer = scope["trainer"]
+    assert trainer.state.global_step == 20
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "out-mine" / "adapter").iterdir()}
+    assert trainer.nbkit_stop_token is not None and trainer.nbkit_stop_token.ok  # the answers' end-of-turn is trained
+    # assistant_only_loss: the labels of a prepared row cover the answers and their end of turn, not the questions
+    trained = scope["tokenizer"].decode([t for t in trainer.train_dataset[0]["labels"] if t != -100])
+    assert "Reverse" not in trained and "user" not in trained and "<|im_end|>" in trained, trained

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
+from safetensors.torch import save_file
 
 from nbkit import FastSFT, FastSFTConfig
 from nbkit.reliability.checkpoints import (
@@ -309,7 +310,7 @@ def test_recover_after_a_kill_between_the_two_renames_of_a_swap(tmp_path, monkey
     target = tmp_path / "checkpoint-4"
     target.mkdir()
     (target / "trainer_state.json").write_text("{}")
-    (target / "adapter_model.safetensors").write_text("w")
+    save_file({"w": torch.zeros(2)}, target / "adapter_model.safetensors")
     staging = tmp_path / ".nbkit-staging-x-checkpoint-4"
     staging.mkdir()
     real_rename = os.rename
@@ -338,10 +339,27 @@ def test_checkpoint_problems_are_named(tmp_path):
     assert "unreadable" in checkpoint_problem(ckpt)
     (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
     assert "no model or adapter weights" in checkpoint_problem(ckpt)
-    (ckpt / "adapter_model.safetensors").write_bytes(b"")
+    weights = ckpt / "adapter_model.safetensors"
+    weights.write_bytes(b"")
     assert "empty" in checkpoint_problem(ckpt)
-    (ckpt / "adapter_model.safetensors").write_bytes(b"x")
+    save_file({"a": torch.arange(6.0), "b": torch.ones(2, 3)}, weights)
     assert checkpoint_problem(ckpt) is None
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[:-1])  # one byte short of the last tensor's data
+    assert "adapter_model.safetensors is truncated" in checkpoint_problem(ckpt)
+    weights.write_bytes(intact[:20])  # cut inside the header
+    assert "adapter_model.safetensors is truncated" in checkpoint_problem(ckpt)
+    weights.write_bytes(b"x")
+    assert "adapter_model.safetensors is truncated" in checkpoint_problem(ckpt)
+    weights.write_bytes(intact)
+    torch.save({"state": {0: {"exp_avg": torch.zeros(3)}}}, ckpt / "optimizer.pt")
+    assert checkpoint_problem(ckpt) is None
+    saved = (ckpt / "optimizer.pt").read_bytes()
+    (ckpt / "optimizer.pt").write_bytes(saved[:-1])  # the zip's central directory ends the file
+    assert "optimizer.pt is truncated" in checkpoint_problem(ckpt)
+    (ckpt / "optimizer.pt").write_bytes(saved)
+    (ckpt / "rng_state.pth").write_bytes(saved[: len(saved) // 2])
+    assert "rng_state.pth is truncated" in checkpoint_problem(ckpt)
 
 
 # ---------------------------------------------------------------------------------------------------------------

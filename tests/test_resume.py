@@ -9,6 +9,10 @@ Scenarios (tiny Qwen3 + LoRA r=4, packed conversational demo data, 6 steps, a ch
   ``get_last_checkpoint`` would resume from: what the staging prevents (so the tests above can fail);
 - a finished run resumed (its newest checkpoint is at ``max_steps``) trains no further step and keeps the final
   weights (transformers alone would run step ``max_steps + 1``);
+- the newest checkpoint damaged after it was written (its weights or its ``optimizer.pt`` truncated, as a kill or a
+  full disk under another writer, or a sync tool, leaves it): ``resume_from_checkpoint=True`` warns once, naming it
+  and the file, and resumes from the older intact one; named explicitly, it fails before any step, naming the file
+  and the intact older checkpoint; with every checkpoint damaged, the error lists them all;
 - ``python -m nbkit demo`` interrupted (KeyboardInterrupt, as a notebook's stop button) then ``--resume``, with an
   ``HF_TOKEN`` in the environment that must appear in no output and no written file; ``--resume`` once more on the
   finished demo trains nothing.
@@ -20,6 +24,7 @@ operations: in practice bit-identical; the margin only covers a different BLAS p
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -65,6 +70,19 @@ def build(output_dir: str | os.PathLike, eval_dataset=None, **overrides) -> Fast
     return FastSFT(model=model, args=FastSFTConfig(**config), train_dataset=make_dataset("messages", n=64),
                    eval_dataset=eval_dataset, processing_class=tokenizer,
                    peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+
+
+def record_steps(trainer: FastSFT) -> list[int]:
+    """The ``global_step`` at the start of each training step ``trainer`` runs, filled in as it trains."""
+    steps: list[int] = []
+    original = trainer.training_step
+
+    def counting(*args, **kwargs):
+        steps.append(trainer.state.global_step)
+        return original(*args, **kwargs)
+
+    trainer.training_step = counting
+    return steps
 
 
 def losses(log_history: list[dict]) -> list[float]:
@@ -216,19 +234,72 @@ def test_resuming_a_finished_run_trains_no_further_step(tmp_path, reference):
     shutil.copytree(reference["out"], out, ignore=shutil.ignore_patterns("final"))
     assert last_complete_checkpoint(out) == str(out / f"checkpoint-{MAX_STEPS}")
     trainer = build(out)
-    steps: list[int] = []
-    original = trainer.training_step
-
-    def counting(*args, **kwargs):
-        steps.append(trainer.state.global_step)
-        return original(*args, **kwargs)
-
-    trainer.training_step = counting
+    steps = record_steps(trainer)
     trainer.train(resume_from_checkpoint=True)
     assert steps == [] and trainer.state.global_step == MAX_STEPS
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == [
         f"checkpoint-{s}" for s in range(SAVE_STEPS, MAX_STEPS + 1, SAVE_STEPS)]
     assert_same_run(trainer, reference, tmp_path / "final")  # the weights of the finished run, loaded
+
+
+def truncate(path: Path) -> None:
+    """Keep the first half of ``path``: what a kill or a full disk leaves of a file being written in place."""
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def finished_run_copy(reference: dict, tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    shutil.copytree(reference["out"], out, ignore=shutil.ignore_patterns("final"))
+    return out
+
+
+DAMAGED_FILES = ["adapter_model.safetensors", "optimizer.pt"]
+
+
+@pytest.mark.parametrize("damaged", DAMAGED_FILES)
+def test_resume_true_passes_over_a_newest_checkpoint_with_a_truncated_file(tmp_path, reference, caplog, damaged):
+    out = finished_run_copy(reference, tmp_path)
+    newest, older = out / f"checkpoint-{MAX_STEPS}", out / f"checkpoint-{MAX_STEPS - SAVE_STEPS}"
+    truncate(newest / damaged)
+    trainer = build(out)
+    steps = record_steps(trainer)
+    with caplog.at_level(logging.WARNING, logger="nbkit.reliability.trainer_mixin"):
+        trainer.train(resume_from_checkpoint=True)
+    named = [r.getMessage() for r in caplog.records if str(newest) in r.getMessage()]
+    assert len(named) == 1, named
+    assert damaged in named[0] and "truncated" in named[0], named[0]
+    assert steps == list(range(MAX_STEPS - SAVE_STEPS, MAX_STEPS)), steps  # went on from checkpoint-4
+    assert checkpoint_problem(older) is None and checkpoint_problem(newest) is None  # checkpoint-6 written anew
+    assert_same_run(trainer, reference, tmp_path / "final")  # = resuming from checkpoint-4 by name
+
+
+@pytest.mark.parametrize("damaged", DAMAGED_FILES)
+def test_an_explicitly_named_damaged_checkpoint_fails_before_any_step_naming_the_file(tmp_path, reference, damaged):
+    out = finished_run_copy(reference, tmp_path)
+    newest = out / f"checkpoint-{MAX_STEPS}"
+    truncate(newest / damaged)
+    trainer = build(out)
+    steps = record_steps(trainer)
+    with pytest.raises(ValueError) as info:
+        trainer.train(resume_from_checkpoint=str(newest))
+    message = str(info.value)
+    assert str(newest) in message and damaged in message and "truncated" in message, message
+    assert str(out / f"checkpoint-{MAX_STEPS - SAVE_STEPS}") in message, message  # the intact one to use instead
+    assert steps == []
+
+
+def test_resume_true_with_every_checkpoint_damaged_lists_them_in_its_error(tmp_path, reference):
+    out = finished_run_copy(reference, tmp_path)
+    names = [f"checkpoint-{s}" for s in range(SAVE_STEPS, MAX_STEPS + 1, SAVE_STEPS)]
+    for name in names:
+        truncate(out / name / "adapter_model.safetensors")
+    trainer = build(out)
+    with pytest.raises(ValueError, match="no complete checkpoint") as info:
+        trainer.train(resume_from_checkpoint=True)
+    for name in names:
+        assert str(out / name) in str(info.value), info.value
+    assert "adapter_model.safetensors" in str(info.value)
 
 
 class _SaveFailed(RuntimeError):

@@ -98,13 +98,15 @@ SETUP = code('''
 ''')
 
 
-def intro_setup_md(extra: str = "") -> tuple[str, str]:
+def intro_setup_md(cpu_time: str, extra: str = "") -> tuple[str, str]:
+    """The "Run it" cell; ``cpu_time``: how long the whole notebook takes on a 2-core CPU with its defaults, as
+    measured (tests/test_notebooks.py runs each notebook on a CPU)."""
     return md(f"""
     **Run it**: *Run all*. The first code cell holds the parameters (tagged `parameters`, so papermill or nbclient
     can override them). With `model_name="auto"` the notebook trains the real model on a GPU, and with no GPU a tiny
     randomly initialised model of the same architecture, saved to a local folder with nbkit's demo tokenizer, so the
-    whole notebook also runs on a laptop CPU in a minute or two. Both go through the same `nbkit.load_model(path)`
-    call. {extra}
+    whole notebook also runs on a CPU: {cpu_time} on two cores with these defaults. Both go through the same
+    `nbkit.load_model(path)` call. {extra}
     """)
 
 
@@ -123,7 +125,7 @@ NB01 = [
     The task is nbkit's shipped demo: *reverse the words* (`"Reverse the words: red fox moon"` ->
     `"moon fox red"`). It is generated, so it needs no download, and scored on held-out prompts.
     """),
-    intro_setup_md(),
+    intro_setup_md("about a minute"),
     params("""
     # Parameters
     model_name = "auto"  # "auto": Qwen/Qwen3-1.7B on a GPU, a tiny local qwen3 without one; "tiny"; a Hub id; a folder
@@ -198,12 +200,11 @@ NB01 = [
     chat template. The cell prints one example as the model will read it.
     """),
     code("""
-    from datasets import load_dataset
-
+    from nbkit import load_jsonl  # datasets' JSON reader, after a line-by-line check that names a bad line
     from nbkit.demo.data import demo_pairs
 
     if own_data:
-        train_dataset = to_prompt_completion(load_dataset("json", data_files=str(own_data), split="train"))
+        train_dataset = to_prompt_completion(load_jsonl(own_data))
     else:
         train_dataset = demo_chat_dataset(train_examples, split="train", seed=seed)
     print(train_dataset)
@@ -217,7 +218,9 @@ NB01 = [
     ### Your own data
 
     One JSON object per line with a `messages` list of `{"role", "content"}` turns (system, user, assistant); the
-    last turn is the answer to learn. The cell writes two such rows and loads them exactly as `own_data` would be.
+    last turn is the answer to learn (rows with `prompt` and `completion` are taken as they are). The cell writes
+    two such rows and loads them exactly as `own_data` would be, with `nbkit.load_jsonl`: an empty file or a line
+    that is not a JSON object is named by its line number.
     Other column names? Map them to `messages` first, e.g. for `instruction` / `output` columns:
 
     ```python
@@ -238,7 +241,7 @@ NB01 = [
                       {"role": "assistant", "content": "Blue"}]},
     ]
     my_file.write_text("".join(json.dumps(row) + "\\n" for row in rows))
-    mine = to_prompt_completion(load_dataset("json", data_files=str(my_file), split="train"))
+    mine = to_prompt_completion(load_jsonl(my_file))
     print(mine)
     print(tokenizer.apply_chat_template(mine[0]["prompt"] + mine[0]["completion"], tokenize=False))
     """),
@@ -325,7 +328,8 @@ NB01 = [
     ## Chat with it
 
     `nbkit.chat.chat` applies the chat template, streams the answer as it is generated and stops at the template's
-    end-of-turn token; on a GPU it decodes through a captured CUDA-graph step (the same tokens as `generate`, faster).
+    end-of-turn token. On a GPU it decodes the whole step as one CUDA graph on a dense copy of the model (4-bit
+    weights dequantized, the adapters merged) where memory allows, else a captured step of the model itself.
     """),
     code("""
     from nbkit.chat import chat
@@ -347,6 +351,7 @@ NB01 = [
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
+    from nbkit.compat import quiet_peft_wrap
     from nbkit.loading import keep_4bit_trainable
 
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -355,7 +360,8 @@ NB01 = [
                                                 device_map=device_map)
     # on a CPU, compare with the kernels the trained model used (bitsandbytes' CPU inference layout rounds in bf16)
     keep_4bit_trainable(base)
-    reloaded = PeftModel.from_pretrained(base, str(adapter_dir))
+    with quiet_peft_wrap():  # PEFT reads a checkpointing name transformers deprecated: its FutureWarning, not yours
+        reloaded = PeftModel.from_pretrained(base, str(adapter_dir))
     results["loss_reloaded"] = sequence_loss(reloaded, tokenizer, eval_pairs)
     tolerance = 1e-4 if compute_dtype == torch.float32 else 1e-2
     gap = abs(results["loss_reloaded"] - results["loss_trained"]) / results["loss_trained"]
@@ -458,12 +464,13 @@ NB02 = [
     The same short run (same model, data, seed and hyper-parameters) with TRL's plain `SFTTrainer`, with
     `nbkit.FastSFT` as it comes, and with `FastSFT` with one switch of `FastSFTConfig` flipped at a time. For each:
     tokens/s (TRL's token count, first step left out) and peak VRAM as bars, and the loss curves overlaid. The
-    switches change speed and memory only, so the loss curves should lie on top of each other.
+    switches change speed and memory only, so every run's first step gives plain TRL's loss and gradient norm (up to
+    rounding), and the curves stay close after it.
 
     On a CPU the tiny model's numbers measure Python and framework overhead, not GPU kernels: read the speed bars on
     a GPU. The loss overlay means the same everywhere.
     """),
-    intro_setup_md(),
+    intro_setup_md("7 to 20 minutes (every variant trains 30 steps; a smaller `max_steps` gives a quicker look)"),
     params("""
     # Parameters
     model_name = "auto"  # "auto": Qwen/Qwen3-1.7B on a GPU, a tiny local qwen3 without one; "tiny"; a Hub id; a folder
@@ -484,15 +491,16 @@ NB02 = [
     from pathlib import Path
 
     import torch
-    from transformers import AutoConfig
-    from trl import SFTConfig, SFTTrainer
 
-    import nbkit
+    import nbkit  # before TRL: importing nbkit first keeps a bitsandbytes hint about Hub kernels out of the output
     from nbkit import FastSFT, FastSFTConfig, load_model
+    from nbkit.compat import checkpointing_args
     from nbkit.dashboard import attach_dashboard
     from nbkit.loading import pick_compute_dtype
     from nbkit.memory import fmt_bytes
     from nbkit.notebook import RunProbe, demo_chat_dataset, keep_trainable_fp32, md_table, pick_model
+    from transformers import AutoConfig
+    from trl import SFTConfig, SFTTrainer
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -535,8 +543,8 @@ NB02 = [
         weight_decay=0.0,
         packing=True,
         max_length=max_length,
-        gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
+        # gradient_checkpointing=True under this transformers' name (5.2x renamed it: TRL's SFTConfig warns on the old)
+        **checkpointing_args(True, {"use_reentrant": False}),
         bf16=compute_dtype == torch.bfloat16,
         fp16=compute_dtype == torch.float16,
         logging_steps=1,
@@ -564,7 +572,8 @@ NB02 = [
         trainer.add_callback(probe)
         trainer.train()
         row = {"name": name, "tokens_per_second": probe.tokens_per_second, "peak_vram": probe.peak_memory,
-               "losses": probe.losses, "nbkit_attached": list(getattr(trainer, "nbkit_attached", []))}
+               "losses": probe.losses, "grad_norms": probe.grad_norms,
+               "nbkit_attached": list(getattr(trainer, "nbkit_attached", []))}
         del trainer, model
         gc.collect()
         if torch.cuda.is_available():
@@ -580,29 +589,43 @@ NB02 = [
         print(f"    {rows[-1]['tokens_per_second']:,.0f} tokens/s, peak VRAM {fmt_bytes(rows[-1]['peak_vram'])}, "
               f"nbkit: {', '.join(rows[-1]['nbkit_attached']) or '-'}")
     """),
-    md("## Results"),
+    md("""
+    ## Results
+
+    Every run starts from the same weights and sees the same batches, so at step 1 each must give the reference's
+    loss and gradient norm, up to the rounding of sums taken in another order: that is the check (1e-4 relative in
+    fp32, 2e-2 in bf16/fp16, as in `03_long_context`). From step 2 on, each run's rounding has changed its weights a
+    little and training carries that forward, so the curves part slowly, by more the longer the run: the largest gap
+    over the whole run is in the table, not held to the first step's tolerance.
+    """),
     code("""
     reference = rows[0]  # the first variant (plain TRL unless `variants` says otherwise)
-    tolerance = 1e-3 if compute_dtype == torch.float32 else 5e-2  # fp32: same sums in another order; 16-bit: rounding
+    tolerance = 1e-4 if compute_dtype == torch.float32 else 2e-2  # one step's sums in another order
 
 
-    def loss_gap(row):
-        pairs = list(zip(row["losses"], reference["losses"]))
-        return max((abs(a - b) / abs(b) for a, b in pairs), default=math.nan)
+    def relative_gaps(row, key):
+        return [abs(a - b) / abs(b) for a, b in zip(row[key], reference[key])]
 
 
     for row in rows:
-        row["max_relative_loss_gap"] = loss_gap(row)
+        row["first_step_gap"] = max(relative_gaps(row, "losses")[:1] + relative_gaps(row, "grad_norms")[:1],
+                                    default=math.nan)
+        row["max_relative_loss_gap"] = max(relative_gaps(row, "losses"), default=math.nan)
         row["speedup"] = row["tokens_per_second"] / reference["tokens_per_second"]
-    coincide = all(row["max_relative_loss_gap"] <= tolerance for row in rows)
-    print(f"loss curves coincide with {reference['name']!r} within {tolerance:.0e} relative: {coincide}")
-    summary = {"reference": reference["name"], "tolerance": tolerance, "losses_coincide": coincide,
+    same_first_step = all(row["first_step_gap"] <= tolerance for row in rows)
+    print(f"step 1 (same weights, same batch): every variant's loss and gradient norm match {reference['name']!r} "
+          f"within {tolerance:.0e} relative: {same_first_step}")
+    widest = max(rows, key=lambda r: r["max_relative_loss_gap"])
+    print(f"over {len(reference['losses'])} steps, with each run's rounding carried forward: largest loss gap "
+          f"{widest['max_relative_loss_gap']:.1e} ({widest['name']})")
+    summary = {"reference": reference["name"], "first_step_tolerance": tolerance, "same_first_step": same_first_step,
                "cuda": torch.cuda.is_available(), "model": choice.path, "rows": rows}
     (out / "results.json").write_text(json.dumps(summary, indent=2))
-    md_table(["variant", "tokens/s", "vs reference", "peak VRAM", "final loss", "max loss gap", "nbkit speedups used"],
+    md_table(["variant", "tokens/s", "vs reference", "peak VRAM", "final loss", "step-1 gap", "max loss gap",
+              "nbkit speedups used"],
              [[r["name"], f"{r['tokens_per_second']:,.0f}", f"{r['speedup']:.2f}x", fmt_bytes(r["peak_vram"]),
-               f"{r['losses'][-1]:.4f}", f"{r['max_relative_loss_gap']:.1e}", ", ".join(r["nbkit_attached"]) or "-"]
-              for r in rows])
+               f"{r['losses'][-1]:.4f}", f"{r['first_step_gap']:.1e}", f"{r['max_relative_loss_gap']:.1e}",
+               ", ".join(r["nbkit_attached"]) or "-"] for r in rows])
     """),
     code("""
     import matplotlib.pyplot as plt
@@ -626,7 +649,7 @@ NB02 = [
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("training loss")
     ax_loss.legend(fontsize=8)
-    ax_loss.set_title("loss curves (should coincide)")
+    ax_loss.set_title("loss curves (same at step 1, then part by rounding)")
     model_label = f"tiny {choice.family} (random init)" if choice.tiny else choice.path
     fig.suptitle(f"{model_label} | {gpu} | {max_steps} steps x {batch_size} rows x {max_length} tokens")
     fig.tight_layout()
@@ -663,7 +686,7 @@ NB03 = [
     large GPU stand in for a smaller card (PyTorch's per-process memory cap). On a CPU there is no VRAM to run out of:
     the search stops at host memory, time or its limit, and the CPU run shows that both paths run and agree.
     """),
-    intro_setup_md(),
+    intro_setup_md("about a minute"),
     params("""
     # Parameters
     model_name = "auto"  # "auto": Qwen/Qwen3-1.7B on a GPU, a tiny local qwen3 without one; "tiny"; a Hub id; a folder
@@ -692,6 +715,7 @@ NB03 = [
     from nbkit import FastSFT, FastSFTConfig, load_model
     from nbkit.loading import pick_compute_dtype
     from nbkit.memory import fmt_bytes
+    from nbkit.compat import checkpointing_args
     from nbkit.notebook import LengthSearch, RunProbe, feature, keep_trainable_fp32, md_table, pick_model
     from nbkit.ops.offload_lanes import release_host_cache
 
@@ -770,8 +794,10 @@ NB03 = [
     from nbkit.demo.data import make_dataset
 
     texts = make_dataset("text", n=4000, split="train", seed=seed)["text"]
-    stream = [token for ids in tokenizer([t + "\\n\\n" for t in texts], add_special_tokens=False)["input_ids"]
-              for token in ids]
+    # each document ends with the eos token, as in pretraining data: the model sees where one ends (and the trainer's
+    # stop-token check finds the token it needs to learn)
+    stream = [token for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+              for token in ids + [tokenizer.eos_token_id]]
     print(f"token stream: {len(stream):,} tokens, repeated as needed")
 
 
@@ -784,10 +810,11 @@ NB03 = [
         every try starts from the same weights, so the two trainers' losses and gradient norms can be compared.\"\"\"
         common = dict(
             output_dir=str(out / "trainer"), max_steps=steps_per_try, per_device_train_batch_size=1,
-            learning_rate=0.0, max_length=length, packing=False, gradient_checkpointing=True,
-            gradient_checkpointing_kwargs={"use_reentrant": False}, bf16=compute_dtype == torch.bfloat16,
+            learning_rate=0.0, max_length=length, packing=False, bf16=compute_dtype == torch.bfloat16,
             fp16=compute_dtype == torch.float16, logging_steps=1, save_strategy="no", report_to="none",
             disable_tqdm=True, seed=seed,
+            # gradient_checkpointing=True under this transformers' name (5.2x renamed it: SFTConfig warns on the old)
+            **checkpointing_args(True, {"use_reentrant": False}),
         )
         if path == "fastsft":
             config, trainer_cls = FastSFTConfig(**common, live_dashboard=False, **switches), FastSFT
@@ -959,7 +986,7 @@ NB04 = [
     needs about 65 GB of GPU memory (an 80 GB A100/H100 or an H200), gpt-oss-20b about 45 GB. For gpt-oss-20b set
     `load_in_4bit=False`: its experts ship in MXFP4, which transformers dequantizes to bf16 for training.
     """),
-    intro_setup_md(),
+    intro_setup_md("about four minutes"),
     params("""
     # Parameters
     model_name = "auto"  # "auto": Qwen/Qwen3-30B-A3B on a GPU, a tiny local qwen3_moe without one; "openai/gpt-oss-20b"
@@ -973,6 +1000,8 @@ NB04 = [
     train_examples = 2000
     eval_examples = 16
     compare_plain_routing = True  # train again with fast_moe_routing=False (a second load) to compare
+    gguf_quant = "q8_0"  # GGUF type for the export at the end (nbkit.export.QUANT_TYPES)
+    export_to_gguf = "auto"  # "auto": the tiny model only (merging and checking hold float32 copies); True; False
     """, "04_moe_finetune"),
     SETUP,
     md("## Is nbkit's MoE routing there?"),
@@ -1067,7 +1096,7 @@ NB04 = [
     trainer.train()
     routing_used = any(name.startswith("fast_moe_routing") for name in trainer.nbkit_attached)
     results.update(loss_first=probe.losses[0], loss_last=probe.losses[-1], losses=probe.losses,
-                   tokens_per_second=probe.tokens_per_second, peak_vram=probe.peak_memory,
+                   grad_norms=probe.grad_norms, tokens_per_second=probe.tokens_per_second, peak_vram=probe.peak_memory,
                    nbkit_attached=trainer.nbkit_attached, routing_used=routing_used)
     print("nbkit speedups used:", ", ".join(trainer.nbkit_attached) or "none")
     if routing_available and not routing_used:
@@ -1078,6 +1107,7 @@ NB04 = [
     code("""
     after = answers(model, tokenizer, questions)
     results["exact_match_after"] = exact_match(after, references)
+    results["answers_after"] = after
     results["loss_trained"] = sequence_loss(model, tokenizer, eval_pairs)
     print(f"exact match {results['exact_match_before']:.0%} -> {results['exact_match_after']:.0%}; "
           f"held-out loss {results['loss_before']:.3f} -> {results['loss_trained']:.3f}")
@@ -1088,6 +1118,7 @@ NB04 = [
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    from nbkit.compat import quiet_peft_wrap
     from nbkit.loading import keep_4bit_trainable
 
     adapter_dir = out / "adapter"
@@ -1103,7 +1134,8 @@ NB04 = [
                                                 device_map=device_map)
     # on a CPU, compare with the kernels the trained model used (bitsandbytes' CPU inference layout rounds in bf16)
     keep_4bit_trainable(base)
-    reloaded = PeftModel.from_pretrained(base, str(adapter_dir))
+    with quiet_peft_wrap():  # PEFT reads a checkpointing name transformers deprecated: its FutureWarning, not yours
+        reloaded = PeftModel.from_pretrained(base, str(adapter_dir))
     results["loss_reloaded"] = sequence_loss(reloaded, tokenizer, eval_pairs)
     tolerance = 1e-4 if compute_dtype == torch.float32 else 1e-2
     gap = abs(results["loss_reloaded"] - results["loss_trained"]) / results["loss_trained"]
@@ -1115,7 +1147,28 @@ NB04 = [
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     """),
-    md("## The same run with fast MoE routing off"),
+    md("""
+    ## Chat with it
+
+    `nbkit.chat.chat` applies the chat template, streams the answer and stops at the template's end-of-turn token.
+    """),
+    code("""
+    from nbkit.chat import chat
+
+    print("Q:", questions[0])
+    print("A: ", end="")
+    results["chat_reply"] = chat(model, tokenizer, questions[0], max_new_tokens=32)
+    """),
+    md("""
+    ## The same run with fast MoE routing off
+
+    Both runs start from the same weights and see the same batches, so at step 1 the two experts paths must give the
+    same loss and gradient norm, up to the rounding of sums taken in another order: that is the check (1e-4 relative
+    in fp32, 2e-2 in bf16/fp16, as in `03_long_context`). From step 2 on, each path's rounding has changed its
+    weights a little, and training carries that forward step after step, most where the loss falls fastest: the
+    curves stay close but part slowly, by more the longer the run, as any two runs whose sums round differently do.
+    Their largest gap is printed beside the check, not held to the first step's tolerance.
+    """),
     code("""
     if compare_plain_routing and routing_available:
         model, tokenizer = load()
@@ -1125,12 +1178,17 @@ NB04 = [
         plain_probe = RunProbe()
         trainer.add_callback(plain_probe)
         trainer.train()
+        first_gap = max(abs(ours[0] - theirs[0]) / abs(theirs[0]) for ours, theirs in
+                        ((results["losses"], plain_probe.losses), (results["grad_norms"], plain_probe.grad_norms)))
+        first_tolerance = 1e-4 if compute_dtype == torch.float32 else 2e-2
         gaps = [abs(a - b) / abs(b) for a, b in zip(results["losses"], plain_probe.losses)]
-        tolerance = 1e-3 if compute_dtype == torch.float32 else 5e-2
         results.update(plain_tokens_per_second=plain_probe.tokens_per_second, plain_peak_vram=plain_probe.peak_memory,
-                       plain_losses=plain_probe.losses, max_relative_loss_gap=max(gaps), loss_tolerance=tolerance)
-        print(f"loss curves coincide within {tolerance:.0e}: {max(gaps) <= tolerance} "
-              f"(max relative gap {max(gaps):.1e})")
+                       plain_losses=plain_probe.losses, first_step_gap=first_gap, first_step_tolerance=first_tolerance,
+                       max_relative_loss_gap=max(gaps))
+        print(f"step 1 (same weights, same batch): same loss and gradient norm within {first_tolerance:.0e} relative: "
+              f"{first_gap <= first_tolerance} (gap {first_gap:.1e})")
+        print(f"over {len(gaps)} steps, with each path's rounding carried forward: largest loss gap {max(gaps):.1e}, "
+              f"final loss {results['loss_last']:.4f} against {plain_probe.losses[-1]:.4f}")
         del trainer, model
         gc.collect()
         display(md_table(["experts path", "tokens/s", "peak VRAM", "final loss"], [
@@ -1143,6 +1201,38 @@ NB04 = [
         print("skipped: there is no nbkit MoE routing to compare with (see the check at the top)")
     else:
         print("skipped (compare_plain_routing=False)")
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    """),
+    md("""
+    ## Merge and export GGUF for llama.cpp and Ollama
+
+    The adapter is merged into the original 16-bit base (checked by logits against the adapter model), then written
+    as one GGUF file: each layer's experts stacked as llama.cpp reads them (`ffn_gate_exps`, `ffn_up_exps`,
+    `ffn_down_exps`), the router kept in float32, an Ollama `Modelfile` beside it. The file is read back and its
+    logits compared with the merged model's: by transformers' GGUF reader for Qwen3-MoE, by nbkit's own reader for
+    Mixtral (transformers reads no llama with experts). gpt-oss is not exported; the message says what llama.cpp's
+    format needs.
+    """),
+    code("""
+    from nbkit.export import export_gguf, merge_folder
+
+    if export_to_gguf is True or (export_to_gguf == "auto" and choice.tiny):
+        gc.collect()
+        merged_dir = out / "merged-16bit"
+        merge_report = merge_folder(adapter_dir, merged_dir, check_prompts=questions[:4], tokenizer=tokenizer)
+        results["merge"] = merge_report.as_dict()
+        try:
+            gguf_report = export_gguf(merged_dir, out / "gguf" / f"model-{gguf_quant}.gguf", quant=gguf_quant,
+                                      check_prompts=questions[:4])
+        except NotImplementedError as refused:  # gpt-oss: the message names what is missing
+            results["gguf"] = {"refused": str(refused)}
+            print("no GGUF file:", refused)
+        else:
+            results["gguf"] = gguf_report.as_dict()
+            print(gguf_report.path, f"({gguf_report.path.stat().st_size / 2**20:.1f} MiB)")
+            print(gguf_report.modelfile.read_text())
+    else:
+        print("GGUF export skipped (export_to_gguf=True to merge and export this model)")
     (out / "results.json").write_text(json.dumps(results, indent=2))
     """),
 ]

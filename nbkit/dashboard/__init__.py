@@ -9,7 +9,8 @@ run, also every rank's memory (allocated / peak VRAM, resident set), gathered by
 
 How it shows it, picked by ``mode`` (``mode.py``; ``views.py``):
 
-- ``"widget"``: one ipywidgets panel (core widgets only) whose values change in place;
+- ``"widget"``: one ipywidgets panel (core widgets only; ipywidgets 7, as on Colab, or 8) whose values change in
+  place; a panel that cannot be built or shown in this kernel gives way to the HTML view, with a warning;
 - ``"html"``: one ``IPython.display`` output, rewritten through its display id;
 - ``"text"``: one line rewritten with ``\\r`` on a terminal, or one line every ``text_interval`` seconds otherwise;
 - ``"auto"`` (default; the env var ``NBKIT_DASHBOARD`` may name another): widget inside a notebook kernel when

@@ -195,12 +195,34 @@ class LiveDashboard(TrainerCallback):
         self._guarded(self.view.show if self.renders == 1 else self.view.update, self.snapshot())
 
     def _guarded(self, action: Callable[[Snapshot], None], snap: Snapshot) -> None:
-        """Run a view's action; if it fails, say so once and stop displaying. A dashboard never stops training."""
+        """Run a view's action; if it fails, say so once and stop displaying. A dashboard never stops training.
+        A widget panel that fails to show gives way to the HTML view instead, shown in its place."""
         try:
             action(snap)
         except Exception as exc:  # any display failure must stay out of the training loop
+            if self.active_mode == "widget" and self.view is not None and action == self.view.show:
+                self.view = self._html_instead(exc)
+                self._guarded(self.view.show, snap)
+                return
             self.view = None
             warnings.warn(f"nbkit LiveDashboard stopped displaying: {type(exc).__name__}: {exc}", stacklevel=3)
+
+    def _make_view(self) -> Any:
+        """The view of ``active_mode``; a widget panel that cannot be built (ipywidgets imports, but its widgets do
+        not work in this kernel) gives way to the HTML view."""
+        try:
+            return make_view(self.active_mode, self.stream, self.text_interval)
+        except Exception as exc:
+            if self.active_mode != "widget":
+                raise
+            return self._html_instead(exc)
+
+    def _html_instead(self, exc: Exception) -> Any:
+        """Switch to the HTML view (one output that renders in any notebook frontend) and say why, once."""
+        self.active_mode = "html"
+        warnings.warn(f"nbkit LiveDashboard shows its HTML view: the widget panel failed ({type(exc).__name__}: "
+                      f"{exc})", stacklevel=4)
+        return make_view("html")
 
     # -- TrainerCallback events ------------------------------------------------------------------------------
 
@@ -218,7 +240,7 @@ class LiveDashboard(TrainerCallback):
                                    self.rate_window, epoch_bound=_epoch_bound(args), world_size=_world_size(args))
         self._reader = self.memory_reader or default_memory_reader(getattr(args, "device", None))
         self.active_mode = resolve_mode(self.mode)
-        self.view = make_view(self.active_mode, self.stream, self.text_interval)
+        self.view = self._make_view()
         self.renders = 0
         self._last_render = None
         self.summary = None
@@ -282,13 +304,12 @@ class LiveDashboard(TrainerCallback):
             if tracker.tokens_key is not None and tracker.tokens is not None:
                 self._tokens_seen[tracker.tokens_key] = tracker.tokens + tracker.tokens_base[tracker.tokens_key]
         snap = self.snapshot()
-        view = self.view
-        if view is not None and self._on_training_thread():
+        if self.view is not None and self._on_training_thread():
             if self.renders == 0:
                 self.renders += 1
-                self._guarded(view.show, snap)
+                self._guarded(self.view.show, snap)
             if self.view is not None:
-                self._guarded(view.finish, snap)
+                self._guarded(self.view.finish, snap)  # the HTML view, if the widget panel gave way to it
         self.summary = snap
         self._tracker = None
         self.view = None

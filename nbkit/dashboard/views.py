@@ -127,15 +127,21 @@ class HtmlView:
 
 
 class WidgetWithFallback:
-    """Displays a widget and, for frontends without the widget manager, a text/html and a text/plain rendering."""
+    """Displays a widget and, for frontends without the widget manager, a text/html and a text/plain rendering.
+
+    The widget's part of the output is taken when this is made (``nbkit.compat.widget_mimebundle``, the same on
+    ipywidgets 7 and 8), so that a widget which cannot be shown fails in the view's ``show``, where the dashboard
+    turns to its HTML view, and not inside IPython's formatter, which would print the error and show a repr."""
 
     def __init__(self, widget: Any, fallback: Rendering) -> None:
+        from ..compat import widget_mimebundle  # here, not at import: nbkit.compat imports torch
+
         self.widget = widget
         self.fallback = fallback
+        self._bundle = widget_mimebundle(widget)
 
-    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        bundle = self.widget._repr_mimebundle_(**kwargs)
-        data, meta = bundle if isinstance(bundle, tuple) else (bundle, None)
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> Any:
+        data, meta = self._bundle if isinstance(self._bundle, tuple) else (self._bundle, None)
         data = {**dict(data), **self.fallback._repr_mimebundle_()}
         return (data, meta) if meta is not None else data
 

@@ -2,7 +2,9 @@
 
 SOURCE is a saved adapter folder (``trainer.save_model(...)`` of a PEFT run, e.g. the demo's
 ``nbkit-demo-out/adapter``; its base is read from ``adapter_config.json``, or given with ``--base``) or a model
-folder (``save_pretrained``). ``--to merged`` writes the adapter merged into the original base to the folder
+folder (``save_pretrained``). A base recorded as a relative folder is found from any working directory (also
+beside the adapter, ``source.resolve_base``); one that is neither here nor on a reachable Hub fails at once, saying
+to pass ``--base``. ``--to merged`` writes the adapter merged into the original base to the folder
 ``--out``. ``--to gguf`` writes one GGUF file: ``--out`` ending in ``.gguf`` is the file, otherwise a folder that
 gets ``<name>-<quant>.gguf``; an adapter is merged first (into ``<out>/merged`` when ``--keep-merged``, else a
 temporary folder). Both check the result by logits and exit 1 if the check fails; ``--no-check`` skips it. A
@@ -29,8 +31,12 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("source", help="a saved adapter folder, or a model folder")
     parser.add_argument("--to", required=True, choices=["merged", "gguf"])
     parser.add_argument("--out", required=True, help="output folder (merged), or .gguf file / folder (gguf)")
-    parser.add_argument("--quant", default="f16", choices=QUANT_TYPES, help="GGUF type (default %(default)s)")
-    parser.add_argument("--base", default=None, help="the adapter's base model, if not the one its config names")
+    parser.add_argument("--quant", default="f16", choices=QUANT_TYPES,
+                        help="GGUF type (default %(default)s); q4_k_m, q5_k_m and q6_k are llama.cpp's K-quant mixes, "
+                             "q4_k_m the usual choice for llama.cpp and Ollama")
+    parser.add_argument("--base", default=None,
+                        help="the adapter's base model (a folder or Hub id), if its config names another or one "
+                             "that is not here")
     parser.add_argument("--keep-merged", action="store_true", help="gguf from an adapter: keep the merged folder")
     parser.add_argument("--no-check", action="store_true", help="skip the logit checks")
     parser.add_argument("--name", default=None, help="the model's name in the GGUF metadata and file name")

@@ -10,10 +10,17 @@ What llama.cpp's own converter does for each family, restated from the formats (
 - Gemma 2 and 3: transformers computes RMS norms as ``x * (1 + w)``, llama.cpp as ``x * w``, so every norm weight
   is stored plus one; embeddings are tied (no ``output`` tensor); Gemma 2's soft-capping and the sliding window go
   in the metadata;
+- Qwen2-MoE, Qwen3-MoE (``qwen2moe``, ``qwen3moe``) and Mixtral (``llama`` with experts): the experts stacked
+  per layer and the router kept float32 (``nbkit.export.gguf_moe``); Qwen2-MoE's shared expert as it is, its
+  one-row gate as a vector;
 - every family: 1-D tensors (norms, biases) stay float32; a tied ``lm_head`` is not written.
 
-Not covered (``family_of`` raises, naming it): other architectures, MoE families (Qwen3-MoE, Mixtral, gpt-oss),
-Gemma 3 multimodal checkpoints (vision tower + ``language_model``), Llama 4.
+``Family.reader``: whether transformers' GGUF reader loads the architecture back (it has no llama with experts, so
+a Mixtral file is read back by ``nbkit.export.gguf_readback``'s inverse of this module instead).
+
+Not covered (``family_of`` raises, naming it): other architectures; gpt-oss (``GPT_OSS_MISSING`` says what it
+lacks); Qwen MoE configs with dense MLP layers; Gemma 3 multimodal checkpoints (vision tower + ``language_model``),
+Llama 4.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .gguf_moe import check_layers, fuse_experts, split_experts, write_moe_hparams
+
 logger = logging.getLogger(__name__)
 
 
@@ -35,6 +44,8 @@ class Family:
     permute_qk: bool = False
     norm_shift: float = 0.0  # added to every norm weight
     gemma: bool = False
+    moe: bool = False  # experts: nbkit.export.gguf_moe
+    reader: bool = True  # transformers' GGUF reader loads this architecture back
 
 
 FAMILIES = {
@@ -44,16 +55,30 @@ FAMILIES = {
     "qwen3": Family("qwen3", "QWEN3"),
     "gemma2": Family("gemma2", "GEMMA2", norm_shift=1.0, gemma=True),
     "gemma3_text": Family("gemma3_text", "GEMMA3", norm_shift=1.0, gemma=True),
+    "qwen2_moe": Family("qwen2_moe", "QWEN2MOE", moe=True),
+    "qwen3_moe": Family("qwen3_moe", "QWEN3MOE", moe=True),
+    "mixtral": Family("mixtral", "LLAMA", permute_qk=True, moe=True, reader=False),
 }
-NOT_COVERED = ("MoE families (qwen2_moe, qwen3_moe, mixtral, gpt_oss), Gemma 3 multimodal checkpoints, Llama 4, "
-               "Phi-3, and every architecture not in FAMILIES")
+NOT_COVERED = ("gpt_oss, Gemma 3 multimodal checkpoints, Llama 4, Phi-3, other MoE families (olmoe, deepseek ...), "
+               "and every architecture not in FAMILIES")
+GPT_OSS_MISSING = ("llama.cpp's gpt-oss architecture needs what this exporter does not write: the attention sinks "
+                   "(attn_sinks), biases on the router and on every expert, gate and up de-interleaved from "
+                   "gate_up_proj and transposed, the experts in MXFP4 as llama.cpp's converter stores them, and YaRN "
+                   "and sliding-window metadata; and transformers' GGUF reader does not load llama.cpp's gpt-oss "
+                   "expert tensors, so such a file could not be checked here. Convert the merged folder with "
+                   "llama.cpp's convert_hf_to_gguf.py")
 
 
 def family_of(config: Any) -> Family:
     model_type = getattr(config, "model_type", None)
+    if model_type == "gpt_oss":
+        raise NotImplementedError(f"GGUF export of gpt_oss is not covered: {GPT_OSS_MISSING}")
     if model_type not in FAMILIES:
         raise NotImplementedError(f"GGUF export covers {', '.join(FAMILIES)}; not {model_type!r} ({NOT_COVERED})")
-    return FAMILIES[model_type]
+    family = FAMILIES[model_type]
+    if family.moe:
+        check_layers(config)
+    return family
 
 
 def head_dim(config: Any) -> int:
@@ -125,6 +150,8 @@ def write_hparams(writer: Any, config: Any, family: Family) -> list[str]:
     if family.model_type == "mistral" and getattr(config, "sliding_window", None):
         notes.append(f"Mistral's sliding window ({config.sliding_window}) has no place in the llama architecture: "
                      "llama.cpp attends to the whole context")
+    if family.moe:
+        notes += write_moe_hparams(writer, config)
     return notes
 
 
@@ -153,7 +180,8 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def gguf_tensors(state: Iterator[tuple[str, np.ndarray]], config: Any,
                  family: Family) -> Iterator[tuple[str | None, str, np.ndarray]]:
-    """(transformers name or None, GGUF name, float32 array) for each tensor, transformed for llama.cpp."""
+    """(the loaded model's parameter name or None, GGUF name, float32 array) for each tensor, transformed for
+    llama.cpp."""
     import gguf
 
     arch = getattr(gguf.MODEL_ARCH, family.arch)
@@ -164,10 +192,16 @@ def gguf_tensors(state: Iterator[tuple[str, np.ndarray]], config: Any,
     factors = llama3_rope_factors(config)
     if factors is not None:
         yield None, gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors
+    if family.moe:
+        state = fuse_experts(state, config)
     for name, data in state:
         if name.endswith(("rotary_emb.inv_freq", "attention.masked_bias")):
             continue
         if tied and name == "lm_head.weight":
+            continue
+        experts = split_experts(name, data, config) if family.moe else None
+        if experts is not None:
+            yield from ((name, out, part) for out, part in experts)
             continue
         stem, dot, suffix = name.rpartition(".")
         mapped = names.get_name(stem) if suffix in ("weight", "bias") else None
@@ -180,4 +214,6 @@ def gguf_tensors(state: Iterator[tuple[str, np.ndarray]], config: Any,
             data = _permute(data, kv_heads)
         if family.norm_shift and name.endswith("norm.weight"):
             data = data + np.float32(family.norm_shift)
+        if mapped.endswith(".ffn_gate_inp_shexp"):  # (1, hidden) in transformers, a vector in llama.cpp
+            data = data.reshape(-1)
         yield name, out, data

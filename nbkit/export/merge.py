@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..compat import quiet_peft_wrap
 from .compare import LogitCheck, check, compare, logits_of, prompt_batches
 from .source import dequantized_copy, load_16bit_base, saved_dtype
 
@@ -75,7 +76,8 @@ def _merge_on(base16: torch.nn.Module, adapter_dir: str | Path, tokenizer: Any, 
     """Put the adapter on ``base16``, take reference logits, merge, save; returns the reference logits."""
     from peft import PeftModel
 
-    peft16 = PeftModel.from_pretrained(base16, str(adapter_dir), is_trainable=False)
+    with quiet_peft_wrap():  # PEFT reads a checkpointing name transformers deprecated
+        peft16 = PeftModel.from_pretrained(base16, str(adapter_dir), is_trainable=False)
     reference = logits_of(peft16, rows) if rows else []
     merged = peft16.merge_and_unload()
     _save(merged, tokenizer, out_dir, dtype)

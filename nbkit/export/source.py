@@ -1,7 +1,11 @@
 """What an export starts from: a saved adapter folder or a model folder, and the 16-bit base weights.
 
 - ``describe(path)``: a ``Source`` -- ``kind`` "adapter" (an ``adapter_config.json`` is there; ``base`` is its
-  ``base_model_name_or_path``) or "model" (a ``config.json``).
+  ``base_model_name_or_path``, found by ``resolve_base``) or "model" (a ``config.json``).
+- ``resolve_base(name, adapter_dir)``: the base as ``from_pretrained`` should get it -- a local folder when one
+  matches (a relative name is tried against the working directory, then the adapter's folder and those above it),
+  else the name as a Hub id; ``BaseModelNotFoundError`` at once when it is no local folder and the Hub cannot give
+  it (offline or unreachable, not cached), naming the base, the places looked in and ``--base``.
 - ``load_16bit_base(name)``: the base model's original weights in float32 on the CPU (a folder or a Hub id the cache
   holds). A base saved 4-bit (a ``quantization_config`` in its config) is loaded and dequantized instead.
 - ``dequantized_copy(model)``: a plain float32 model from an in-memory (PEFT-wrapped) bitsandbytes 4-bit model: each
@@ -15,12 +19,19 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .push import hub_reachable
+
 logger = logging.getLogger(__name__)
+
+
+class BaseModelNotFoundError(FileNotFoundError):
+    """The base model an adapter needs is neither a local folder nor something the Hub can give here."""
 
 
 @dataclass
@@ -31,14 +42,72 @@ class Source:
 
 
 def describe(path: str | Path, base: str | None = None) -> Source:
-    """What ``path`` holds; ``base`` overrides the base an adapter folder names."""
+    """What ``path`` holds; ``base`` overrides the base an adapter folder names. Either is found by
+    ``resolve_base`` (``base`` against the working directory only: it was typed there)."""
     folder = Path(path).expanduser()
     if (folder / "adapter_config.json").is_file():
         named = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        return Source("adapter", folder, base or named)
+        name = base or named
+        return Source("adapter", folder, resolve_base(name, folder, given=bool(base)) if name else None)
     if (folder / "config.json").is_file():
         return Source("model", folder, None)
     raise FileNotFoundError(f"{folder} holds neither adapter_config.json (a saved adapter) nor config.json (a model)")
+
+
+def _is_hub_id(name: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def resolve_base(name: str, adapter_dir: str | Path, *, given: bool = False) -> str:
+    """The base model ``name`` as ``from_pretrained`` should get it: a local model folder if one matches, else
+    ``name`` itself (a Hub id).
+
+    Why: ``adapter_config.json`` records the base as training was given it, often a path relative to that run's
+    working directory (the demo's ``nbkit-demo-out/base``); from any other directory transformers takes it for a Hub
+    id and retries the network before failing. A relative ``name`` is tried against the working directory (what
+    ``from_pretrained`` alone does), then, unless ``given`` (a ``--base`` typed here), against ``adapter_dir`` and
+    each folder above it; the first holding a ``config.json`` wins, returned absolute. A name that is no local folder
+    goes on unchanged when it can be a Hub id and the Hub can give it (the cache holds it, or the Hub is reachable);
+    otherwise ``BaseModelNotFoundError``, before any download is tried.
+    """
+    adapter = Path(os.path.abspath(Path(adapter_dir).expanduser()))
+    wanted = Path(name).expanduser()
+    if wanted.is_absolute():
+        places = [wanted]
+    else:
+        roots = [Path.cwd()] + ([] if given else [adapter, *adapter.parents])
+        places = list(dict.fromkeys(Path(os.path.abspath(root / wanted)) for root in roots))
+    for place in places:
+        if (place / "config.json").is_file():
+            return str(place)
+    if _is_hub_id(name):
+        if _in_hub_cache(name):
+            return name
+        why = hub_reachable()
+        if why is None:
+            return name
+        hub = f"cannot be read from the Hub ({why}) and the Hugging Face cache does not hold it"
+    else:
+        hub = "is not a Hub id either"
+    what = (f"the --base given, {name!r}," if given
+            else f"{adapter / 'adapter_config.json'} records the base model {name!r}, which")
+    raise BaseModelNotFoundError(
+        f"{what} is not a local model folder (looked for config.json in {', '.join(map(str, places))}) and {hub}. "
+        "Pass --base <folder or hub id> (base= from Python): the folder the base model was saved to (the demo's "
+        "is <output-dir>/base), or its Hub id."
+    )
 
 
 def _config_dict(name: str) -> dict:

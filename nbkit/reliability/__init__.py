@@ -2,6 +2,8 @@
 
 - ``guards``: checks of datasets and settings before training (``InputError`` naming the row or the setting);
   ``sharegpt``: ``from_sharegpt``, which turns ShareGPT chats into TRL's messages form (re-exported here).
+- ``jsonl``: ``load_jsonl`` (exported as ``nbkit.load_jsonl``), a JSON Lines file checked line by line before
+  ``datasets`` reads it.
 - ``oom``: out-of-memory errors that name the step, the memory and what to change.
 - ``nonfinite``: non-finite losses and batches with nothing to train on, named by their dataset rows.
 - ``checkpoints``: atomic saves, recovery after a kill, the newest complete checkpoint.

@@ -13,6 +13,12 @@ Contract:
 - ``recover_interrupted`` cleans what a kill left behind; ``checkpoint_problem`` says why a folder is not a complete
   checkpoint; ``list_checkpoints`` and ``last_complete_checkpoint`` find the ``checkpoint-N`` folders and the newest
   whole one.
+
+Staging only covers nbkit's own saves: a checkpoint written by another writer that was killed or ran out of disk, or
+a file later cut short by a sync tool, still sits under its final name. So "complete" is also checked file by file,
+from headers only (no tensor is read): a safetensors file must be exactly as long as its header's data offsets say,
+and a ``torch.save`` file (optimizer, scheduler, scaler, RNG states, ``.bin`` weights) must end in its zip central
+directory, which is written last.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import os
 import re
 import shutil
 import uuid
+import zipfile
 from pathlib import Path
 from typing import Iterator
 
@@ -33,6 +40,9 @@ _WEIGHT_FILES = (
     "adapter_model.safetensors", "model.safetensors", "model.safetensors.index.json",
     "adapter_model.bin", "pytorch_model.bin", "pytorch_model.bin.index.json",
 )  # fmt: skip
+# what transformers' resume reads with torch.load besides the weights (optimizer.bin: accelerate's name)
+_TORCH_STATE_FILES = ("optimizer.pt", "optimizer.bin", "scheduler.pt", "scaler.pt", "rng_state.pth")
+_SAFETENSORS_HEADER_MAX = 100 * 1024 * 1024  # the safetensors format's own limit on its JSON header
 
 
 def _fsync_path(path: Path, directory: bool = False) -> None:
@@ -162,11 +172,83 @@ def recover_interrupted(folder: str | os.PathLike, only: str | None = None) -> l
     return done
 
 
+def _safetensors_problem(path: Path) -> str | None:
+    """Why ``path`` is not a whole safetensors file, from its header alone (None when it is).
+
+    The format is an 8-byte little-endian header length, a JSON header giving each tensor's byte range in the data that
+    follows, then the data; the loader requires the file to end exactly where the last range ends.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as file:
+        head = file.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, shorter than the 8-byte header length"
+        length = int.from_bytes(head, "little")
+        if length > _SAFETENSORS_HEADER_MAX:
+            return f"a header length of {length} bytes, not a safetensors file"
+        if 8 + length > size:
+            return f"the header needs {8 + length} bytes, the file holds {size}"
+        raw = file.read(length)
+    try:
+        header = json.loads(raw)
+        ends = [int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
+        return f"the header does not parse ({type(error).__name__})"
+    expected = 8 + length + max(ends, default=0)
+    if size != expected:
+        return f"the header describes {expected} bytes, the file holds {size}"
+    return None
+
+
+def _torch_file_problem(path: Path) -> str | None:
+    """Why ``path`` is not a whole ``torch.save`` file (None when it is): its zip central directory, written last, must
+    be there and list the pickle. A file in torch's legacy (non-zip) format cannot be checked this cheaply and passes."""
+    with open(path, "rb") as file:
+        first = file.read(1)
+    if first == b"\x80":  # a pickle's protocol opcode: the legacy format
+        return None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError) as error:
+        return f"no zip central directory at its end ({error})"
+    if not any(name.endswith("data.pkl") for name in names):
+        return "a zip archive without torch's data.pkl"
+    return None
+
+
+def _file_problem(path: Path, root: Path) -> str | None:
+    """``<name> is empty`` / ``<name> is truncated or unreadable: <why>`` for one file a resume reads, else None."""
+    name = path.relative_to(root).as_posix()
+    try:
+        if path.stat().st_size == 0:
+            return f"{name} is empty"
+        if path.suffix == ".json":
+            json.loads(path.read_text())
+            return None
+        why = _safetensors_problem(path) if path.suffix == ".safetensors" else _torch_file_problem(path)
+    except (OSError, ValueError) as error:
+        why = f"{type(error).__name__}: {error}"
+    return None if why is None else f"{name} is truncated or unreadable: {why}"
+
+
+def _shards(index: Path) -> list[Path]:
+    """The shard files a ``*.index.json`` names (those that exist; a missing one is the loader's to report)."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+    except (OSError, ValueError, AttributeError):
+        return []  # the index itself is reported by _file_problem
+    return [index.parent / name for name in sorted(set(weight_map.values())) if (index.parent / name).is_file()]
+
+
 def checkpoint_problem(path: str | os.PathLike) -> str | None:
     """Why ``path`` is not a complete checkpoint, or None when it is.
 
-    Complete = ``trainer_state.json`` parses (transformers writes it after the weights, optimizer and RNG states) and a
-    weights file is present and not empty.
+    Complete = ``trainer_state.json`` parses (transformers writes it after the weights, optimizer and RNG states), a
+    weights file is present, and every file a resume reads (weights and their shards, optimizer, scheduler, scaler,
+    RNG states) is whole as far as its header shows (see the module docstring). Files that are absent are not a
+    problem beyond the weights: transformers resumes without them (``save_only_model``). Several damaged files are
+    named in one line.
     """
     path = Path(path)
     state = path / "trainer_state.json"
@@ -177,12 +259,14 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
     except (OSError, ValueError) as error:
         return f"trainer_state.json unreadable ({type(error).__name__})"
     weights = [path / name for name in _WEIGHT_FILES if (path / name).is_file()]
-    weights += [p for p in path.glob("*/adapter_model.safetensors")]  # several adapters: one folder each
+    weights += sorted(path.glob("*/adapter_model.safetensors"))  # several adapters: one folder each
     if not weights:
         return "no model or adapter weights"
-    if any(p.stat().st_size == 0 for p in weights):
-        return "an empty weights file"
-    return None
+    files = weights + [shard for index in weights if index.name.endswith(".index.json") for shard in _shards(index)]
+    files += [path / name for name in _TORCH_STATE_FILES if (path / name).is_file()]
+    files += sorted(path.glob("rng_state_*.pth"))  # one per process of a multi-process run
+    problems = [problem for file in files if (problem := _file_problem(file, path)) is not None]
+    return "; ".join(problems) or None
 
 
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
@@ -194,13 +278,22 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def last_complete_checkpoint(output_dir: str | os.PathLike, skipped: list[tuple[str, str]] | None = None) -> str | None:
-    """The newest complete ``checkpoint-N`` in ``output_dir`` (None if there is none). Newer incomplete ones are
-    appended to ``skipped`` as (path, reason)."""
+def last_complete_checkpoint(output_dir: str | os.PathLike, skipped: list[tuple[str, str]] | None = None,
+                             before: int | None = None) -> str | None:
+    """The newest complete ``checkpoint-N`` in ``output_dir`` (None if there is none), with ``N < before`` when given.
+    Newer incomplete ones are appended to ``skipped`` as (path, reason)."""
     for path in reversed(list_checkpoints(output_dir)):
+        if before is not None and checkpoint_step(path) >= before:
+            continue
         problem = checkpoint_problem(path)
         if problem is None:
             return str(path)
         if skipped is not None:
             skipped.append((str(path), problem))
     return None
+
+
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """N of a ``checkpoint-N`` folder, None for any other name."""
+    match = CHECKPOINT_RE.match(Path(path).name)
+    return int(match.group(1)) if match else None

@@ -21,9 +21,10 @@ Contract: ``validate_training_inputs`` (called by ``FastSFT`` before ``SFTTraine
   whose assistant turns are all empty under ``assistant_only_loss=True``. Every checked row empty: an error (the
   run would train to loss 0 with zero gradients); some: a warning naming them and how to drop them;
 - conversational data and a tokenizer without a chat template;
-- ``max_length`` shorter than the shortest document (every document would be cut: an error), or shorter than some
-  documents (a warning naming the rows that will be cut and how to keep them), checked on up to ``LENGTH_SAMPLE``
-  rows spread over the dataset;
+- ``max_length`` that is no length (``nbkit.settings.length_problem``; a plain ``SFTConfig`` does not check it),
+  or shorter than the shortest document (every document would be cut: an error), or shorter than some documents
+  (a warning naming the rows that will be cut and how to keep them), checked on up to ``LENGTH_SAMPLE`` rows
+  spread over the dataset;
 - switch combinations that cannot work together (the rules of ``nbkit.settings.combination_problem``: packing
   with a custom collator, ``completion_only_loss=True`` without prompt/completion data, an attention kernel or
   offloading that could never be used).
@@ -41,7 +42,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from ..settings import combination_problem
+from ..settings import combination_problem, length_problem
 from .sharegpt import from_sharegpt, sharegpt_form
 
 __all__ = ["InputError", "DataFormat", "detect_format", "validate_training_inputs", "from_sharegpt"]
@@ -379,8 +380,12 @@ def _sample_indices(n: int, k: int) -> list[int]:
 
 
 def check_max_length(name: str, dataset: Any, fmt: DataFormat, args: Any, tokenizer: Any) -> None:
-    """``max_length`` must not be shorter than every document (they would all be cut)."""
+    """``max_length`` must be a length (``nbkit.settings.length_problem``: a plain ``SFTConfig`` does not check it)
+    and not shorter than every document (they would all be cut)."""
     max_length = _arg(args, "max_length")
+    problem = length_problem("max_length", max_length)
+    if problem is not None:
+        raise InputError(problem)
     if max_length is None or tokenizer is None or fmt.kind == "formatted":
         return
     splitting = ("bfd_split", "bfd-requeue", "wrapped")

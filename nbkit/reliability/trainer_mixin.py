@@ -12,7 +12,8 @@ meant for that base and no other. None of it changes the numbers of a run that g
   labels are all masked (nothing to train on) and warns, naming their rows.
 - Saves: checkpoints and ``save_model`` are written into a hidden staging folder and renamed into place
   (``checkpoints``; ``atomic_saves``); ``train(resume_from_checkpoint=True)`` resumes from the newest complete
-  checkpoint, and resuming a run that already reached ``max_steps`` trains no further step.
+  checkpoint (its files checked, so one damaged by another writer is passed over with a warning; a damaged one named
+  explicitly is an error), and resuming a run that already reached ``max_steps`` trains no further step.
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ class ReliableTraining:
 
     # -- train ---------------------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
-        """``train``; ``resume_from_checkpoint=True`` picks the newest complete checkpoint, and an out-of-memory
-        error outside the step (optimizer, evaluation, save) is explained too."""
+        """``train``; ``resume_from_checkpoint=True`` picks the newest complete checkpoint (a damaged one named
+        explicitly fails before training), and an out-of-memory error outside the step (optimizer, evaluation, save)
+        is explained too."""
         resume_from_checkpoint = self._nbkit_prepare_resume(resume_from_checkpoint)
         self._nbkit_micro, self._nbkit_skip_window = 0, False
         self.nbkit_masked = []
@@ -332,13 +334,21 @@ class ReliableTraining:
             super().save_model(str(staging), _internal_call)
 
     def _nbkit_prepare_resume(self, resume: str | bool | None) -> str | bool | None:
-        """Tidy what a kill left in output_dir; turn ``True`` into the newest complete checkpoint. Without atomic
-        saves (switched off, several processes, DeepSpeed/FSDP layouts) transformers' own choice stands."""
+        """Tidy what a kill left in output_dir; turn ``True`` into the newest complete checkpoint, and check a named one.
+
+        ``True``: checkpoints are tried newest first; each damaged or unfinished one is named in one warning with what
+        is wrong (``checkpoints.checkpoint_problem``), and none complete is an error listing them. A named checkpoint
+        that is damaged fails here, before any weight is loaded, naming the file and the intact older checkpoint: an
+        explicit choice is never swapped for another. Without atomic saves (switched off, several processes,
+        DeepSpeed/FSDP layouts) transformers' own choice and loading stand.
+        """
         output_dir = self.args.output_dir
         if not output_dir or not self._nbkit_atomic():
             return resume
         for done in checkpoints.recover_interrupted(output_dir):
             logger.warning("nbkit: %s in %s", done, output_dir)
+        if isinstance(resume, (str, Path)) and Path(resume).is_dir():
+            self._nbkit_check_named_checkpoint(Path(resume))
         if resume is not True:
             return resume
         skipped: list[tuple[str, str]] = []
@@ -346,11 +356,24 @@ class ReliableTraining:
         for path, why in skipped:
             logger.warning("nbkit: not resuming from %s: %s", path, why)
         if found is None:
-            extra = f" ({len(skipped)} incomplete: {', '.join(p for p, _ in skipped)})" if skipped else ""
-            raise ValueError(f"resume_from_checkpoint=True, but {output_dir} holds no complete checkpoint{extra}: "
-                             "start without resume_from_checkpoint, or point output_dir at the run's folder")
+            listed = ", ".join(f"{path} ({why})" for path, why in skipped)
+            extra = f"; {len(skipped)} incomplete: {listed}" if skipped else ""
+            raise ValueError(f"resume_from_checkpoint=True, but {output_dir} holds no complete checkpoint{extra}. "
+                             "Start without resume_from_checkpoint, or point output_dir at the run's folder")
         logger.info("nbkit: resuming from %s", found)
         return found
+
+    @staticmethod
+    def _nbkit_check_named_checkpoint(path: Path) -> None:
+        """Raise, naming what is wrong and the intact older checkpoint beside it, when ``path`` cannot be resumed."""
+        problem = checkpoints.checkpoint_problem(path)
+        if problem is None:
+            return
+        step = checkpoints.checkpoint_step(path)
+        older = checkpoints.last_complete_checkpoint(path.parent, before=step) if step is not None else None
+        instead = (f"The newest intact older checkpoint is {older}: resume from it by name" if older
+                   else "No older checkpoint beside it is intact")
+        raise ValueError(f"resume_from_checkpoint={str(path)!r} cannot be resumed: {problem}. {instead}")
 
 
 def _all_masked(inputs: dict[str, Any], device: torch.device) -> torch.Tensor:
