@@ -36,7 +36,7 @@ from transformers.cache_utils import Cache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from . import dense_twin
-from .graphed_decode import GraphedDecoder, Unsupported, _BufferLayer, _cache_kwarg
+from .graphed_decode import GraphedDecoder, Unsupported, _BufferLayer, _cache_kwarg, step_buffers
 
 logger = logging.getLogger(__name__)
 
@@ -167,21 +167,8 @@ class FastDecoder:
                 self.first_capture_s = time.perf_counter() - t0
 
     def _allocate(self, capacity: int) -> None:
-        twin = self.twin
-        device = next(twin.parameters()).device
-        self._ids = torch.zeros((1, 1), dtype=torch.long, device=device)
-        self._pos = torch.zeros((1, 1), dtype=torch.long, device=device)
-        self._tokens = torch.zeros((capacity,), dtype=torch.long, device=device)
-        probe = DynamicCache()
-        with torch.no_grad():
-            twin(input_ids=self._ids, use_cache=True, **{_cache_kwarg(twin): probe})
-        position = self._pos.view(1)
-        self._layers = []
-        for layer in probe.layers:
-            k, v = layer.keys, layer.values
-            kbuf = torch.zeros((1, k.shape[1], capacity, k.shape[3]), dtype=k.dtype, device=device)
-            vbuf = torch.zeros((1, v.shape[1], capacity, v.shape[3]), dtype=v.dtype, device=device)
-            self._layers.append(_BufferLayer(kbuf, vbuf, position))
+        self._ids, self._pos, self._layers = step_buffers(self.twin, self.twin, capacity)
+        self._tokens = torch.zeros((capacity,), dtype=torch.long, device=self._ids.device)
         self._capacity = capacity
 
     def _capture(self, capacity: int) -> None:

@@ -178,6 +178,26 @@ class _Step:
                 site.out.copy_(self._eager(site.module, site.query, site.layer, length, site.kwargs))
 
 
+def step_buffers(model: torch.nn.Module, base: torch.nn.Module,
+                 capacity: int) -> tuple[torch.Tensor, torch.Tensor, list[_BufferLayer]]:
+    """A captured step's static inputs: the token and position ids, (1, 1) each, and one key/value buffer layer of
+    ``capacity`` positions per decoder layer, shaped by one probe step of ``model`` (``base``: its transformers
+    model) and written at the position the position ids hold."""
+    device = next(base.parameters()).device
+    ids = torch.zeros((1, 1), dtype=torch.long, device=device)
+    pos = torch.zeros((1, 1), dtype=torch.long, device=device)
+    probe = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{_cache_kwarg(base): probe})
+    layers = []
+    for layer in probe.layers:
+        k, v = layer.keys, layer.values
+        kbuf = torch.zeros((1, k.shape[1], capacity, k.shape[3]), dtype=k.dtype, device=device)
+        vbuf = torch.zeros((1, v.shape[1], capacity, v.shape[3]), dtype=v.dtype, device=device)
+        layers.append(_BufferLayer(kbuf, vbuf, pos.view(1)))
+    return ids, pos, layers
+
+
 def greedy_changers(generation_config: Any) -> list[str]:
     """The generation-config fields that would make ``generate``'s greedy tokens differ from a plain argmax."""
     found = []
@@ -260,19 +280,7 @@ class GraphedDecoder:
         return tuple(p.data_ptr() for p in model.parameters()), flags
 
     def _allocate(self, model: torch.nn.Module, base: torch.nn.Module, capacity: int) -> None:
-        device = next(base.parameters()).device
-        self._ids = torch.zeros((1, 1), dtype=torch.long, device=device)
-        self._pos = torch.zeros((1, 1), dtype=torch.long, device=device)
-        probe = DynamicCache()
-        with torch.no_grad():
-            model(input_ids=self._ids, use_cache=True, **{_cache_kwarg(base): probe})
-        position = self._pos.view(1)
-        self._layers = []
-        for layer in probe.layers:
-            k, v = layer.keys, layer.values
-            kbuf = torch.zeros((1, k.shape[1], capacity, k.shape[3]), dtype=k.dtype, device=device)
-            vbuf = torch.zeros((1, v.shape[1], capacity, v.shape[3]), dtype=v.dtype, device=device)
-            self._layers.append(_BufferLayer(kbuf, vbuf, position))
+        self._ids, self._pos, self._layers = step_buffers(model, base, capacity)
         self._capacity = capacity
 
     def _capture(self, model: torch.nn.Module, base: torch.nn.Module) -> None:

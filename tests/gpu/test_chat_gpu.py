@@ -50,6 +50,23 @@ def _lora(model):
     return model
 
 
+def _4bit_lora(tok):
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    base = _model(tok, "qwen3", torch.bfloat16)
+    with tempfile.TemporaryDirectory() as folder:
+        base.save_pretrained(folder)
+        q = AutoModelForCausalLM.from_pretrained(folder, device_map={"": 0}, dtype=torch.bfloat16,
+                                                 quantization_config=BitsAndBytesConfig(
+                                                     load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                     bnb_4bit_use_double_quant=True,
+                                                     bnb_4bit_compute_dtype=torch.bfloat16))
+    q.generation_config.eos_token_id = None
+    return _lora(q)
+
+
 def _plain(model, tok, prompt, n):
     from nbkit.chat import greedy_config, prompt_ids
 
@@ -72,22 +89,9 @@ def test_graphed_tokens_equal_generate(tok, family, dtype):
 
 
 def test_graphed_tokens_equal_generate_on_a_4bit_base_with_lora(tok):
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
     from nbkit.chat import answer
 
-    base = _model(tok, "qwen3", torch.bfloat16)
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as folder:
-        base.save_pretrained(folder)
-        q = AutoModelForCausalLM.from_pretrained(folder, device_map={"": 0}, dtype=torch.bfloat16,
-                                                 quantization_config=BitsAndBytesConfig(
-                                                     load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                     bnb_4bit_use_double_quant=True,
-                                                     bnb_4bit_compute_dtype=torch.bfloat16))
-    q.generation_config.eos_token_id = None
-    model = _lora(q)
+    model = _4bit_lora(tok)
     model.train()
     got = answer(model, tok, PROMPTS[1], max_new_tokens=48, stream=False, fast="graphed")
     assert got.path == "graphed", got.reason
@@ -156,25 +160,10 @@ def assert_same_up_to_a_near_tie(model, twin, tok, prompt, got, plain):
     fast = _step_logits(twin, tok, prompt, plain[:same])
     top = slow.topk(2).values
     gap, error = float(top[0] - top[1]), float((slow - fast).abs().max())
-    assert gap <= 2 * error, f"token {same}: the slow path's margin {gap:.3g} is no near-tie (rounding {error:.3g})"
+    # the step rounds otherwise than a teacher-forced forward (graph, fused kernels): at least 1% of the logit scale
+    bound = max(2 * error, 0.01 * float(slow.abs().max()))
+    assert gap <= bound, f"token {same}: the slow path's margin {gap:.3g} is no near-tie (bound {bound:.3g})"
     return same
-
-
-def _4bit_lora(tok):
-    import tempfile
-
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    base = _model(tok, "qwen3", torch.bfloat16)
-    with tempfile.TemporaryDirectory() as folder:
-        base.save_pretrained(folder)
-        q = AutoModelForCausalLM.from_pretrained(folder, device_map={"": 0}, dtype=torch.bfloat16,
-                                                 quantization_config=BitsAndBytesConfig(
-                                                     load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                     bnb_4bit_use_double_quant=True,
-                                                     bnb_4bit_compute_dtype=torch.bfloat16))
-    q.generation_config.eos_token_id = None
-    return _lora(q)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])
