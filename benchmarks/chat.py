@@ -8,17 +8,8 @@ after ``FastSFT.train()``.
 
 Paths, on the same model and prompt:
 - ``generate``: ``model.generate(input_ids, generation_config=...)``, greedy, transformers' default cache;
-- ``graphed``: ``nbkit.graphed_decode.GraphedDecoder.generate`` with the same generation config: what
-  ``nbkit.chat(fast="graphed")`` runs (prompt through ``generate``, then the captured step replayed in segments);
-- ``dense``: ``nbkit.fast_decode.FastDecoder.generate``: what ``nbkit.chat`` runs by default where the dense copy
-  fits (the whole step, argmax included, one CUDA graph on the dequantized, adapter-merged copy). Its build and
-  capture are the first call's; ``near_tie`` says, where its tokens first differ from ``generate``'s, the slow
-  path's top-2 logit gap there and how far the two paths' logits are apart (teacher-forced on the common prefix).
-
-Batched evaluation (``--eval-prompts N``, after the chat rows, on the LoRA model): N different prompts, ``--eval-
-tokens`` new tokens each (no stop), answered one ``generate`` call per prompt (a notebook loop), in left-padded
-batches of ``--eval-batch`` (``nbkit.generation.generate_answers(fast=False)``) and the same batches on the dense copy
-(``fast=True``): seconds for all, tokens/s, and how many answers equal the per-prompt loop's.
+- ``nbkit``: ``nbkit.graphed_decode.GraphedDecoder.generate`` with the same generation config: the decoding
+  ``nbkit.chat(fast=True)`` runs (prompt through ``generate``, then the captured step replayed).
 Stopping is switched off in both (``eos_token_id=None``) so every timed call makes exactly ``--new-tokens`` tokens.
 
 Timing: ``torch.cuda.synchronize()`` around each call, ``--warmup`` calls dropped, the median of ``--repeats``
@@ -47,8 +38,6 @@ import torch
 
 from nbkit.chat import greedy_config, prompt_ids
 from nbkit.demo.tokenizer import load_demo_tokenizer
-from nbkit.fast_decode import FastDecoder
-from nbkit.generation import generate_answers
 from nbkit.graphed_decode import GraphedDecoder, Unsupported
 
 from .common import write_results
@@ -92,12 +81,11 @@ def run_model(label: str, model: torch.nn.Module, tokenizer: Any, args: argparse
     ids = prompt_ids(tokenizer, [{"role": "user", "content": PROMPT}], next(model.parameters()).device)
     config = greedy_config(model, tokenizer, args.new_tokens)
     config.eos_token_id = None  # every call makes exactly new_tokens tokens
-    decoders = {"graphed": GraphedDecoder(), "dense": FastDecoder()}
+    decoder = GraphedDecoder()
     paths = {
         "generate": lambda: [int(t) for t in model.generate(input_ids=ids, generation_config=copy.deepcopy(config))[
             0, ids.shape[1]:].tolist()],
-        "graphed": lambda: decoders["graphed"].generate(model, ids, config),
-        "dense": lambda: decoders["dense"].generate(model, ids, config),
+        "nbkit": lambda: decoder.generate(model, ids, config),
     }
     rows, reference = [], None
     for path, fn in paths.items():
@@ -123,64 +111,12 @@ def run_model(label: str, model: torch.nn.Module, tokenizer: Any, args: argparse
         if path == "generate":
             reference = tokens
         else:
-            decoder = decoders[path]
             row["capture_s"] = decoder.first_capture_s
             row["captures"] = decoder.captures
             row["identical"] = tokens == reference
             row["first_mismatch"] = _first_mismatch(tokens, reference)
-            if path == "dense":
-                row["build_s"] = decoder.build_s
-                row["fused_kernels"] = decoder.fused
-                if row["first_mismatch"] is not None and reference is not None:
-                    row["near_tie"] = near_tie(model, decoder.twin, ids, reference[: row["first_mismatch"]])
-                decoder.release()
         rows.append(row)
         print({k: v for k, v in row.items() if k not in ("token_ids", "seconds")}, flush=True)
-    return rows
-
-
-@torch.no_grad()
-def near_tie(model: torch.nn.Module, twin: torch.nn.Module, ids: torch.Tensor, prefix: list[int]) -> dict:
-    """At the first differing token: the slow path's top-2 logit gap and the largest logit difference of the two
-    models there, teacher-forced on the common prefix (a flip by rounding needs gap <= 2 x difference)."""
-    full = torch.cat([ids, torch.tensor([prefix], dtype=torch.long, device=ids.device)], dim=1)
-    slow = model(input_ids=full).logits[0, -1].float()
-    fast = twin(input_ids=full).logits[0, -1].float()
-    top = slow.topk(2).values
-    return {"gap": float(top[0] - top[1]), "difference": float((slow - fast).abs().max()),
-            "logit_scale": float(slow.abs().max())}
-
-
-EVAL_TOPICS = ["the sea", "a mountain", "a small town", "the night sky", "an old library", "a river", "the desert",
-               "a forest", "a lighthouse", "a market", "the first snow", "a train journey", "a garden", "the moon",
-               "a storm", "a bridge"]
-
-
-def run_eval(model: torch.nn.Module, tokenizer: Any, args: argparse.Namespace) -> list[dict]:
-    """Batched evaluation: one generate per prompt, batched on the model, batched on the dense copy."""
-    questions = [f"Write two sentences about {EVAL_TOPICS[i % len(EVAL_TOPICS)]} (variation {i})."
-                 for i in range(args.eval_prompts)]
-    runs = {  # min_new_tokens = eval_tokens: no stop, every answer has eval_tokens tokens
-        "generate, one prompt a call": lambda: generate_answers(model, tokenizer, questions, args.eval_tokens,
-                                                                batch_size=1, min_new_tokens=args.eval_tokens,
-                                                                fast=False),
-        f"generate, batches of {args.eval_batch}": lambda: generate_answers(
-            model, tokenizer, questions, args.eval_tokens, batch_size=args.eval_batch,
-            min_new_tokens=args.eval_tokens, fast=False),
-        f"dense copy, batches of {args.eval_batch}": lambda: generate_answers(
-            model, tokenizer, questions, args.eval_tokens, batch_size=args.eval_batch,
-            min_new_tokens=args.eval_tokens, fast=True),
-    }
-    rows, reference = [], None
-    for label, fn in runs.items():
-        fn()  # warm-up (and the dense copy's build)
-        seconds, answers = _timed(fn)
-        reference = reference or answers
-        same = sum(a == b for a, b in zip(answers, reference))
-        row = {"eval": label, "prompts": len(questions), "new_tokens": args.eval_tokens, "seconds": seconds,
-               "tok_per_s": len(questions) * args.eval_tokens / seconds, "same_as_one_by_one": same}
-        rows.append(row)
-        print(row, flush=True)
     return rows
 
 
@@ -209,11 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="calls before the timed ones (the first is one)")
     parser.add_argument("--layers", type=int, default=None, help="shrink the model (default: all 28 layers)")
     parser.add_argument("--no-lora", action="store_true", help="only the 4-bit base")
-    parser.add_argument("--lora-only", action="store_true", help="only the base with LoRA (skip the bare base's rows)")
     parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU: checks the script runs")
-    parser.add_argument("--eval-prompts", type=int, default=0, help="batched evaluation of this many prompts")
-    parser.add_argument("--eval-tokens", type=int, default=64)
-    parser.add_argument("--eval-batch", type=int, default=32)
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() or args.tiny):
         raise SystemExit("this benchmark needs a CUDA GPU (or --tiny for a CPU smoke run)")
@@ -224,17 +156,12 @@ def main(argv: list[str] | None = None) -> None:
     base.generation_config.eos_token_id = None
     print(f"model {shape}: saved in {save_s:.1f} s, loaded in {load_s:.1f} s", flush=True)
     tokenizer = load_demo_tokenizer()  # its ids (< 1024) are valid for the model; only the prompt comes from it
-    rows = [] if args.lora_only else run_model("nf4" if not args.tiny else "tiny-fp32", base.eval(), tokenizer, args)
-    eval_rows: list[dict] = []
+    rows = run_model("nf4" if not args.tiny else "tiny-fp32", base.eval(), tokenizer, args)
     if not args.no_lora:
-        lora = with_lora(base)
-        rows += run_model("nf4+lora16" if not args.tiny else "tiny-fp32+lora16", lora, tokenizer, args)
-        if args.eval_prompts:
-            eval_rows = run_eval(lora, tokenizer, args)
+        rows += run_model("nf4+lora16" if not args.tiny else "tiny-fp32+lora16", with_lora(base), tokenizer, args)
     text = table(rows)
     notes = "CPU smoke run: the figures mean nothing" if args.tiny else ""
-    write_results("chat", {"load_s": load_s, "rows": rows, "eval": eval_rows}, notes, argv=argv,
-                  name=f"chat_{shape}")
+    write_results("chat", {"load_s": load_s, "rows": rows}, notes, argv=argv, name=f"chat_{shape}")
     print(f"\n{shape}, batch 1, {args.new_tokens} new tokens, greedy\n{text}\n", flush=True)
 
 

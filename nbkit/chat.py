@@ -14,17 +14,13 @@ Contract of ``chat(model, tokenizer, message_or_messages, ...) -> str``:
 - The model runs in eval mode with the KV cache on for the call, and every module gets its previous train/eval mode
   back afterwards, so ``chat`` can sit between ``FastSFT.train()`` calls, on a 4-bit or 16-bit base, with or
   without PEFT adapters.
-- ``fast=True`` on a CUDA GPU decodes by the first path that applies, each reason for passing one over logged once
-  per model: ``nbkit.fast_decode`` (path "dense": the whole step as one CUDA graph on a dense copy of the model,
-  where the GPU has room for the copy; the same greedy tokens as ``generate`` wherever its choice is not a near-tie,
-  see that module), then ``nbkit.graphed_decode`` (path "graphed": the step replayed in segments from CUDA graphs,
-  token for token ``model.generate(do_sample=False)``'s), then ``model.generate``. ``fast="graphed"`` tries only
-  the second (when the tokens must be exactly ``generate``'s); ``fast=False`` always runs ``model.generate``.
+- ``fast=True`` on a CUDA GPU decodes through ``nbkit.graphed_decode`` (the step replayed from CUDA graphs: the same
+  tokens as ``model.generate(do_sample=False)``, in less time); where that cannot apply it logs the reason once per
+  model and runs ``model.generate``. ``fast=False`` always runs ``model.generate``.
 - Returns the answer's text, special tokens removed. ``answer(...)`` returns the token ids and the path taken too.
 
-The decoders (the dense copy, the captured steps) are kept on the model object, so a second ``chat`` reuses them;
-they are rebuilt when the model's parameters or adapters change, ``release_decoders(model)`` frees them (``FastSFT``
-does before it trains), and copying or pickling the model drops them.
+The captured decode step is kept on the model object (``_nbkit_graphed_decoder``), so a second ``chat`` reuses it;
+it is recaptured when the model's parameters or adapters change, and copying or pickling the model drops it.
 """
 
 from __future__ import annotations
@@ -37,14 +33,13 @@ from typing import Any, Callable, Sequence
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from .fast_decode import DECODER_ATTR, FastDecoder
 from .graphed_decode import GraphedDecoder, Unsupported
 from .reliability.stop_token import stop_token_ids
 from .speedups.ledger import unwrap_model
 
 logger = logging.getLogger(__name__)
 
-_DECODERS = (("dense", DECODER_ATTR, FastDecoder), ("graphed", "_nbkit_graphed_decoder", GraphedDecoder))
+_DECODER_ATTR = "_nbkit_graphed_decoder"
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
 
 
@@ -54,8 +49,8 @@ class Answer:
 
     text: str
     token_ids: list[int]
-    path: str  # "dense", "graphed" or "generate"
-    reason: str | None = None  # why the faster paths were not taken ("; "-joined)
+    path: str  # "graphed" or "generate"
+    reason: str | None = None  # why the graphed path was not taken
 
 
 class _TextStream(BaseStreamer):
@@ -130,57 +125,12 @@ def greedy_config(model: torch.nn.Module, tokenizer: Any, max_new_tokens: int) -
     return config
 
 
-def _decoder(model: torch.nn.Module, attr: str, cls: type) -> Any:
-    decoder = model.__dict__.get(attr)
+def _decoder(model: torch.nn.Module) -> GraphedDecoder:
+    decoder = model.__dict__.get(_DECODER_ATTR)
     if decoder is None:
-        decoder = cls()
-        model.__dict__[attr] = decoder
+        decoder = GraphedDecoder()
+        model.__dict__[_DECODER_ATTR] = decoder
     return decoder
-
-
-def release_decoders(model: torch.nn.Module) -> None:
-    """Free what ``chat`` keeps on ``model`` for fast decoding (the dense copy's GPU memory among it)."""
-    for _, attr, _ in _DECODERS:
-        decoder = model.__dict__.pop(attr, None)
-        if decoder is not None and hasattr(decoder, "release"):
-            decoder.release()
-
-
-def _why(reasons: dict[str, list[str]]) -> str | None:
-    """One reason as it is; several, each after the paths it stopped."""
-    if len(reasons) <= 1:
-        return next(iter(reasons), None)
-    return "; ".join(f"{'/'.join(paths)}: {reason}" for reason, paths in reasons.items())
-
-
-def _fast_decoder(model: torch.nn.Module, total_len: int, paths: Sequence[str]) -> tuple[Any, str | None, str | None]:
-    """(the first decoder of ``paths`` that applies, its path, why the ones before it did not) or (None, None, why
-    none does). Said once per model: a warning when ``generate`` decodes, an info line when a slower fast path
-    does."""
-    reasons: dict[str, list[str]] = {}
-    for path, attr, cls in _DECODERS:
-        if path not in paths:
-            continue
-        decoder = _decoder(model, attr, cls)
-        reason = decoder.check(model, total_len)
-        if reason is None:
-            try:
-                decoder.prepare(model, total_len)
-            except Unsupported as error:
-                reason = str(error)
-        if reason is None:
-            said = _why(reasons)
-            if said and not decoder.reported:
-                logger.info("nbkit chat: decoding by the %s path (%s)", path, said)
-                decoder.reported = True
-            return decoder, path, said
-        reasons.setdefault(reason, []).append(path)
-    said = _why(reasons)
-    first = _decoder(model, *next((a, c) for p, a, c in _DECODERS if p in paths))
-    if not first.reported:
-        logger.warning("nbkit chat: decoding with model.generate: %s", said)
-        first.reported = True
-    return None, None, said
 
 
 def answer(
@@ -191,7 +141,7 @@ def answer(
     max_new_tokens: int = 256,
     stream: bool | Callable[[str], None] = True,
     system: str | None = None,
-    fast: bool | str = True,
+    fast: bool = True,
 ) -> Answer:
     """``chat``, returning an ``Answer`` (text, token ids, path taken)."""
     messages = _messages(message_or_messages, system)
@@ -200,19 +150,25 @@ def answer(
     sink = _print if stream is True else (stream if callable(stream) else None)
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
-    if fast not in (True, False, "graphed"):
-        raise ValueError(f"chat: fast={fast!r}: use True (the fastest path that applies), 'graphed' (token for token "
-                         "model.generate's) or False (model.generate)")
-    decoder, path, reason = (None, None, "fast=False")
+    reason = None if fast else "fast=False"
     try:
-        if fast:
-            paths = ("graphed",) if fast == "graphed" else tuple(p for p, _, _ in _DECODERS)
-            decoder, path, reason = _fast_decoder(model, ids.shape[1] + max_new_tokens, paths)
+        if reason is None:
+            decoder = _decoder(model)
+            reason = decoder.check(model, ids.shape[1] + max_new_tokens)
+            if reason is None:
+                try:
+                    decoder.prepare(model, ids.shape[1] + max_new_tokens)
+                except Unsupported as error:
+                    reason = str(error)
+            if reason is not None and not decoder.reported:
+                logger.warning("nbkit chat: decoding with model.generate: %s", reason)
+                decoder.reported = True
         out = _TextStream(tokenizer, sink, skip_first=False) if sink else None
         with torch.no_grad():
-            if decoder is not None:
+            if reason is None:
                 put = (lambda t: out.put(torch.tensor([t]))) if out else None
                 tokens = decoder.generate(model, ids, config, on_token=put)
+                path = "graphed"
             else:
                 if out:
                     out._skip = True  # generate puts the prompt first
@@ -238,7 +194,7 @@ def chat(
     max_new_tokens: int = 256,
     stream: bool | Callable[[str], None] = True,
     system: str | None = None,
-    fast: bool | str = True,
+    fast: bool = True,
 ) -> str:
     """Answer ``message_or_messages`` greedily with the chat template, streaming it (see the module docstring)."""
     return answer(model, tokenizer, message_or_messages, max_new_tokens=max_new_tokens, stream=stream,

@@ -7,10 +7,6 @@ Contract of ``generate_answers``: each question becomes one user turn in the tok
 generation prompt added; prompts are left-padded in batches; decoding is greedy (``do_sample=False``) and stops at
 the tokenizer's end of turn or after ``max_new_tokens``; the answer is the decoded new tokens without special tokens,
 stripped. The model's train/eval mode and the tokenizer's padding side are restored afterwards.
-
-``fast=True`` (the default) decodes on the model's dense copy (``nbkit.dense_twin``, kept with ``chat``'s decoder)
-where it applies: on a CUDA GPU with room for it; elsewhere, or with ``fast=False``, on the model itself. The copy
-computes the same function up to rounding (a 4-bit base's matrix products are then one cuBLAS call each).
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ import torch
 @torch.no_grad()
 def generate_answers(
     model: torch.nn.Module, tokenizer: Any, questions: Sequence[str], max_new_tokens: int = 12, batch_size: int = 32,
-    min_new_tokens: int = 0, fast: bool = True,
+    min_new_tokens: int = 0,
 ) -> list[str]:
     """Greedy answers of ``model`` to chat ``questions`` (left-padded batches), decoded without special tokens.
 
@@ -31,7 +27,6 @@ def generate_answers(
     for its auxiliary loss, and with it a padded ``generate`` fails at the first decode step."""
     was_training = model.training
     model.eval()
-    decoder = model if not fast else _dense_or_model(model)
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     device = next(p.device for p in model.parameters())
     answers: list[str] = []
@@ -46,7 +41,7 @@ def generate_answers(
                 for q in questions[start : start + batch_size]
             ]
             batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            out = decoder.generate(
+            out = model.generate(
                 **batch,
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
@@ -62,17 +57,3 @@ def generate_answers(
         tokenizer.padding_side = side
         model.train(was_training)
     return answers
-
-
-def _dense_or_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The model's dense copy where the fast decoder can build one now, else the model."""
-    from .fast_decode import decoder_of
-    from .graphed_decode import Unsupported
-
-    device = next(model.parameters()).device
-    if device.type != "cuda":
-        return model
-    try:
-        return decoder_of(model).dense(model)
-    except Unsupported:
-        return model

@@ -172,11 +172,7 @@ gradient clip and ``zero_grad`` walk the trainable parameters only (``nbkit.step
                 for s in self._speedups + self._train_stage.attached if getattr(s, "engaged", True)]
 
     def train(self, *args: Any, **kwargs: Any):
-        """``SFTTrainer.train`` with the speedups attached (and ``ReliableTraining``'s handling around the step).
-        What ``chat`` kept on the model for fast decoding is freed first: its dense copy's memory is training's."""
-        from .chat import release_decoders
-
-        release_decoders(self.model)
+        """``SFTTrainer.train`` with the speedups attached (and ``ReliableTraining``'s handling around the step)."""
         with self.nbkit_speedups(), self._trl_router_setting():
             return super().train(*args, **kwargs)
 

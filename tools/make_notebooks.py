@@ -328,8 +328,7 @@ NB01 = [
     ## Chat with it
 
     `nbkit.chat.chat` applies the chat template, streams the answer as it is generated and stops at the template's
-    end-of-turn token. On a GPU it decodes the whole step as one CUDA graph on a dense copy of the model (4-bit
-    weights dequantized, the adapters merged) where memory allows, else a captured step of the model itself.
+    end-of-turn token; on a GPU it decodes through a captured CUDA-graph step (the same tokens as `generate`, faster).
     """),
     code("""
     from nbkit.chat import chat
@@ -1103,7 +1102,7 @@ NB04 = [
         print("NOTE: fast_moe_routing did not attach to this model; its log line above says why. The experts ran on "
               "transformers' path.")
     """),
-    md("## After training, save, reload"),
+    md("## After training"),
     code("""
     after = answers(model, tokenizer, questions)
     results["exact_match_after"] = exact_match(after, references)
@@ -1114,6 +1113,19 @@ NB04 = [
     md_table(["question", "expected", "before", "after"],
              [[q, r, b, a] for q, r, b, a in list(zip(questions, references, before, after))[:6]])
     """),
+    md("""
+    ## Chat with it
+
+    `nbkit.chat.chat` applies the chat template, streams the answer and stops at the template's end-of-turn token.
+    """),
+    code("""
+    from nbkit.chat import chat
+
+    print("Q:", questions[0])
+    print("A: ", end="")
+    results["chat_reply"] = chat(model, tokenizer, questions[0], max_new_tokens=32)
+    """),
+    md("## Save the adapter, reload it, check it"),
     code("""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -1146,18 +1158,6 @@ NB04 = [
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    """),
-    md("""
-    ## Chat with it
-
-    `nbkit.chat.chat` applies the chat template, streams the answer and stops at the template's end-of-turn token.
-    """),
-    code("""
-    from nbkit.chat import chat
-
-    print("Q:", questions[0])
-    print("A: ", end="")
-    results["chat_reply"] = chat(model, tokenizer, questions[0], max_new_tokens=32)
     """),
     md("""
     ## The same run with fast MoE routing off
