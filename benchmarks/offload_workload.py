@@ -141,8 +141,8 @@ def set_config(model: nn.Module, causal: nn.Module, name: str) -> Optional[Offlo
     if name == "no_ckpt":
         causal.gradient_checkpointing_disable()
         return None
-    causal.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False},
-                                         offload=name == "ckpt_offload")
+    offload = {"offload": True} if name == "ckpt_offload" else {}  # transformers 5.17 on; a TypeError before
+    causal.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, **offload)
     if name.startswith("nbkit"):
         oc = OffloadedCheckpointing(mode=True, double_buffer=name == "nbkit_double")
         if not oc.attach(model):
