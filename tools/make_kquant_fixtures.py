@@ -47,16 +47,21 @@ def llama_cpp_version() -> str:
     return f"llama-cpp-python {llama_cpp.__version__}"
 
 
+def _row_op(lib: ctypes.CDLL, function: str, source: np.ndarray, out: np.ndarray, count: int) -> np.ndarray:
+    """Call ggml's row function ``function(source, out, count)`` on two contiguous numpy arrays; returns ``out``."""
+    fn = getattr(lib, function)
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    fn(source.ctypes.data, out.ctypes.data, count)
+    return out
+
+
 def reference(lib: ctypes.CDLL, kind: str, values: np.ndarray) -> np.ndarray:
     """llama.cpp's ``quantize_row_<kind>_ref`` of ``values`` (float32, a whole number of super-blocks): uint8."""
     name, size = KINDS[kind]
     flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
     out = np.zeros(flat.size // QK_K * size, np.uint8)
-    fn = getattr(lib, f"quantize_row_{name}_ref")
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    fn(flat.ctypes.data, out.ctypes.data, flat.size)
-    return out
+    return _row_op(lib, f"quantize_row_{name}_ref", flat, out, flat.size)
 
 
 def reference_dequantize(lib: ctypes.CDLL, kind: str, blocks: np.ndarray) -> np.ndarray:
@@ -64,11 +69,7 @@ def reference_dequantize(lib: ctypes.CDLL, kind: str, blocks: np.ndarray) -> np.
     name, size = KINDS[kind]
     raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1)
     out = np.zeros(raw.size // size * QK_K, np.float32)
-    fn = getattr(lib, f"dequantize_row_{name}")
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    fn(raw.ctypes.data, out.ctypes.data, out.size)
-    return out
+    return _row_op(lib, f"dequantize_row_{name}", raw, out, out.size)
 
 
 def cases(seed: int = SEED, blocks: int = 6, real: bool = True) -> dict[str, np.ndarray]:
