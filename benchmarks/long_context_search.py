@@ -38,7 +38,7 @@ def prior_key(spec: str) -> str:
     return key + ("_no_offload" if over.get("offload_checkpointing", "auto") is False else "")
 
 
-# Lines a run measured (BENCHMARKS.md section 10) replace the prediction's: FastSFT's default on the 8B, run 2,
+# Lines a run measured (BENCHMARKS.md, Long context) replace the prediction's: FastSFT's default on the 8B, run 2,
 # 65,536 to 147,456 tokens at 16 and 24 GiB.
 MEASURED: dict[str, dict[str, tuple[float, float]]] = {"8b": {"fastsft_tiled": (6.0, 0.11)}}
 

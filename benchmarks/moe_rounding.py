@@ -1,7 +1,7 @@
 """How far each MoE experts implementation lands from float64 in bf16 and fp16: nbkit's against transformers' own.
 
-Why: in the bf16 and fp16 curve runs (``benchmarks.curves``, BENCHMARKS.md section 9) FastSFT's MoE curves sit
-further from plain TRL's than two plain attention kernels do. Rounding differences in an MoE block flip top-k
+Why: in the bf16 and fp16 curve runs (``benchmarks.curves``, BENCHMARKS.md, Learning curves per family) FastSFT's MoE
+curves sit further from plain TRL's than two plain attention kernels do. Rounding differences in an MoE block flip top-k
 choices and so move a curve more than elsewhere; the question this answers is whether nbkit's experts path rounds
 worse than transformers' or only differently.
 

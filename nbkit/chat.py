@@ -34,8 +34,8 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from .graphed_decode import GraphedDecoder, Unsupported
+from .model_parts import unwrap_model
 from .reliability.stop_token import stop_token_ids
-from .speedups.ledger import unwrap_model
 
 logger = logging.getLogger(__name__)
 

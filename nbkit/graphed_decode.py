@@ -40,7 +40,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .speedups.ledger import unwrap_model
+from .model_parts import unwrap_model
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from .compat import enable_activation_checkpointing, quiet_peft_wrap
-from .settings import check_length
+from .settings import check_length, pick_compute_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -51,22 +51,6 @@ _PAD_CANDIDATES = ("<|finetune_right_pad_id|>", "<|pad|>", "<pad>", "[PAD]", "<|
 
 class ModelNotFoundError(OSError):
     """The model (or its tokenizer) could not be found locally, in the cache, or (when online) on the Hub."""
-
-
-def pick_compute_dtype(device: str | int | torch.device | None = None) -> torch.dtype:
-    """bf16 on CUDA compute capability >= 8.0, fp16 on older CUDA GPUs, fp32 elsewhere (CPU, MPS, ...).
-
-    ``device=None`` means the current CUDA device when CUDA is available, else the CPU.
-    """
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    if isinstance(device, int):
-        device = torch.device("cuda", device)
-    device = torch.device(device)
-    if device.type != "cuda":
-        return torch.float32
-    major, _minor = torch.cuda.get_device_capability(device)
-    return torch.bfloat16 if major >= 8 else torch.float16
 
 
 def _is_offline() -> bool:

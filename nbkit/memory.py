@@ -6,6 +6,16 @@ the notebooks and the per-rank gather all read memory through here, so every fig
 - ``meminfo()``: ``/proc/meminfo`` in bytes; ``host_memory()``: (used, total) host RAM; ``process_rss()`` and
   ``peak_rss()``: this process's resident set now and at its peak.
 - ``fmt_bytes(n)``: "812 MiB" / "3.46 GiB" ("--" for None); ``fmt_bytes(n, 1)``: "3.5 GiB".
+
+What the speedups size by (no host sync: the allocator's counters are host-side, the device's free memory is one
+driver query):
+
+- ``gpu_limit(device)``: the one definition of how much this process may use on a GPU: its per-process fraction of
+  the device (``torch.cuda.set_per_process_memory_fraction``), and no more than what its allocator holds plus what
+  the device has free (another process, the CUDA context and non-torch allocations are not ours).
+- ``memory_readings(device)``: (limit, peak allocated, allocated now), the three numbers a speedup decides by.
+- ``gpu_in_use(device)``: bytes held by tensors now; ``room_for(device, n)``: whether ``n`` more bytes can be had
+  from the allocator's cache, or twice that below the limit; ``shares_host_memory(device)``: an integrated GPU.
 """
 
 from __future__ import annotations
@@ -13,7 +23,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 MiB = 2**20
 GiB = 2**30
@@ -131,3 +141,87 @@ def fmt_bytes(value: Optional[int], gib_digits: int = 2) -> str:
     if abs(value) >= GiB:
         return f"{value / GiB:.{gib_digits}f} GiB"
     return f"{value / MiB:.0f} MiB"
+
+
+class MemoryReadings(NamedTuple):
+    """What a speedup sizes by, in bytes (see ``memory_readings``)."""
+
+    limit: int
+    peak: int
+    allocated: int
+
+
+def _indexed(device: Any) -> Any:
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # torch's per-process fraction needs an index
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def process_cap(device: Any) -> Optional[int]:
+    """The per-process cap on a CUDA device: its total memory times this process's fraction; None off CUDA."""
+    import torch
+
+    device = _indexed(device)
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return int(total * fraction(device)) if fraction is not None else int(total)
+
+
+def gpu_limit(device: Any) -> Optional[int]:
+    """The most this process can reach on a CUDA device (see the module docstring); None off CUDA."""
+    import torch
+
+    cap = process_cap(device)
+    if cap is None:
+        return None
+    device = _indexed(device)
+    free, _ = torch.cuda.mem_get_info(device)
+    return min(cap, int(torch.cuda.memory_reserved(device)) + int(free))
+
+
+def gpu_in_use(device: Any) -> int:
+    """Bytes held by tensors on a CUDA ``device`` (the caching allocator's host-side counter); 0 off CUDA."""
+    import torch
+
+    device = _indexed(device)
+    return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0
+
+
+def memory_readings(device: Any) -> Optional[MemoryReadings]:
+    """(limit, peak allocated, allocated now) on a CUDA device; None off CUDA."""
+    import torch
+
+    limit = gpu_limit(device)
+    if limit is None:
+        return None
+    device = _indexed(device)
+    return MemoryReadings(limit, int(torch.cuda.max_memory_allocated(device)), int(torch.cuda.memory_allocated(device)))
+
+
+def room_for(device: Any, nbytes: int) -> bool:
+    """Whether ``nbytes`` more can be allocated on ``device`` without pressing on the limit: a hit in the allocator's
+    cache (reserved but unused), or twice ``nbytes`` between what it has reserved and ``gpu_limit``. Always True
+    off CUDA."""
+    import torch
+
+    limit = gpu_limit(device)
+    if limit is None:
+        return True
+    device = _indexed(device)
+    reserved = int(torch.cuda.memory_reserved(device))
+    if reserved - int(torch.cuda.memory_allocated(device)) >= nbytes:
+        return True
+    return limit - reserved >= 2 * nbytes
+
+
+def shares_host_memory(device: Any) -> bool:
+    """Whether ``device`` is an integrated GPU (its memory is the host's)."""
+    import torch
+
+    device = _indexed(device)
+    return device.type == "cuda" and bool(torch.cuda.get_device_properties(device).is_integrated)

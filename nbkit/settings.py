@@ -34,22 +34,11 @@ import numbers
 import typing
 from typing import Any, Optional
 
-from .ops.varlen_attention import KERNELS
+from .switches import AUTO_BOOL, POSITIVE_INT, switch_values
 
-AUTO_BOOL = (True, False, "auto")
-POSITIVE_INT = "a positive int"  # in a switch's values: any int >= 1 (not a bool) is allowed too
-SWITCH_VALUES: dict[str, tuple[Any, ...]] = {
-    "attention_kernel": ("auto", *KERNELS),
-    "offload_checkpointing": AUTO_BOOL,
-    "selective_checkpointing": AUTO_BOOL,
-    "cuda_graphs": AUTO_BOOL,
-    "fused_kernels": AUTO_BOOL,
-    "live_dashboard": AUTO_BOOL,
-    "tiled_mlp": AUTO_BOOL,
-    "tiled_mlp_tokens": (None, POSITIVE_INT),
-    "offload_max_host_bytes": (None, POSITIVE_INT),
-    "on_nonfinite_loss": ("stop", "skip", "off"),
-}
+# name -> the values the switch accepts, for the switches whose values are a fixed set: read from their rows in
+# nbkit.switches (POSITIVE_INT in a switch's values: any int >= 1, not a bool, is allowed too)
+SWITCH_VALUES: dict[str, tuple[Any, ...]] = switch_values()
 _BFD = ("bfd", "bfd_split", "bfd-requeue")  # TRL's packing strategies that pack padding-free
 
 
@@ -204,6 +193,24 @@ def combination_problem(args: Any, *, custom_collator: bool = False, data_format
 # --------------------------------------------------------------------------------------------------------------------
 # Defaults from the hardware
 # --------------------------------------------------------------------------------------------------------------------
+def pick_compute_dtype(device: Any = None) -> Any:
+    """The compute dtype (a ``torch.dtype``) for ``device`` (a torch.device, "cuda:1", an int): bf16 on CUDA compute
+    capability >= 8.0, fp16 on older CUDA GPUs, fp32 elsewhere (CPU, MPS, ...). ``device=None`` means the current CUDA
+    device when CUDA is available, else the CPU. ``nbkit.load_model`` and the mixed-precision default both follow it.
+    """
+    import torch
+
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.float32
+    major, _minor = torch.cuda.get_device_capability(device)
+    return torch.bfloat16 if major >= 8 else torch.float16
+
+
 def hardware_precision(use_cpu: bool = False) -> tuple[str, str]:
     """("bf16" | "fp16" | "fp32", why) for the device training will run on.
 
@@ -214,8 +221,6 @@ def hardware_precision(use_cpu: bool = False) -> tuple[str, str]:
     import torch
 
     if not use_cpu and torch.cuda.is_available():
-        from .loading import pick_compute_dtype
-
         index = torch.cuda.current_device()
         name = torch.cuda.get_device_name(index)
         if pick_compute_dtype(index) == torch.bfloat16:

@@ -27,13 +27,10 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from . import speedups
 from .config import FastSFTConfig, read_numbers
-from .config import switch as _switch
 from .reliability.trainer_mixin import ReliableTraining
 from .speedups.ledger import Speedup
 from .speedups.packed_attention import PackedCollator
-from .step_flops import CachedFlops
-from .step_walks import CachedTrainableWalks
-from .sync_free_loss import SyncFreeLoss
+from .switches import switch as _switch
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +55,7 @@ class _TrainStageSpeedups(TrainerCallback):
         self.attached, self.pending = [], []
 
 
-class FastSFT(ReliableTraining, SyncFreeLoss, CachedFlops, CachedTrainableWalks, SFTTrainer):
+class FastSFT(ReliableTraining, SFTTrainer):
     """A drop-in ``SFTTrainer`` (same arguments) that trains faster with the same losses.
 
     Speedups (each a switch in ``FastSFTConfig``): cached packed-sequence metadata with varlen attention
@@ -67,9 +64,11 @@ class FastSFT(ReliableTraining, SyncFreeLoss, CachedFlops, CachedTrainableWalks,
     (``fused_kernels``), the MLP tiled over the sequence (``tiled_mlp``), the last layers left un-checkpointed where
     their activations fit (``selective_checkpointing``), the un-checkpointed layers replayed as CUDA graphs
     (``cuda_graphs``), TRL's step metrics read at logging time,
-    not after every forward (``sync_free_metrics``), and a live notebook dashboard (``live_dashboard``). The FLOPs
-    estimate transformers logs takes the model's parameter count once per run (``nbkit.step_flops``), and the step's
-gradient clip and ``zero_grad`` walk the trainable parameters only (``nbkit.step_walks``).
+    not after every forward (``sync_free_metrics``), and a live notebook dashboard (``live_dashboard``). Always on:
+    the FLOPs estimate transformers logs takes the model's parameter count once per run (``step_flops``), and the
+    step's gradient clip and ``zero_grad`` walk the trainable parameters only (``step_walks``).
+
+    What wraps a run is written once, in ``train``: see ``_nbkit_run``.
 
     Reliability (``ReliableTraining``, ``nbkit.reliability``): inputs are checked before TRL prepares them
     (``validate_inputs``); an out-of-memory step raises ``TrainingOutOfMemoryError`` naming the step, the memory and
@@ -139,11 +138,38 @@ gradient clip and ``zero_grad`` walk the trainable parameters only (``nbkit.step
             return
         LiveDashboard().attach(self)
 
-    # -- attach / detach -----------------------------------------------------------------------------------------------
+    # -- what wraps a run -----------------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """``SFTTrainer.train`` inside ``_nbkit_run``; ``resume_from_checkpoint=True`` picks the newest complete
+        checkpoint (a damaged one named explicitly fails here, before anything is attached)."""
+        resume_from_checkpoint = self.nbkit_prepare_resume(resume_from_checkpoint)
+        with self._nbkit_run():
+            return self.nbkit_reliably(super().train, resume_from_checkpoint, *args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any):
+        with self._nbkit_run():
+            return super().evaluate(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _nbkit_run(self) -> Iterator[None]:
+        """Everything that wraps a ``train()`` or ``evaluate()`` call, outermost first:
+
+        1. ``nbkit_speedups``: the speedups, model stage and trainer stage now, train stage when training begins;
+        2. ``_trl_router_setting``: TRL's MoE ``output_router_logits`` instead of the user's;
+        3. inside ``train`` only, ``ReliableTraining.nbkit_reliably``: out-of-memory errors explained, the skipped
+           and masked batches summed up (its per-step checks are ``training_step``'s).
+
+        A call nested in another (``evaluate()`` inside ``train()``) finds it all in place."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.nbkit_speedups())
+            stack.enter_context(self._trl_router_setting())
+            yield
+
     @contextlib.contextmanager
     def nbkit_speedups(self) -> Iterator[list[Speedup]]:
         """Attach the speedups ``FastSFTConfig`` switches on (``nbkit.speedups.SPEEDUPS``) for the block: the model
-        stage now, the train stage when training begins; all of them detached, in reverse, when it ends."""
+        stage to the model and the trainer stage to this trainer now, the train stage when training begins; all of
+        them detached, in reverse, when it ends."""
         if self._nbkit_active:  # nested (evaluate() inside train()): already attached
             yield self._speedups
             return
@@ -151,9 +177,10 @@ gradient clip and ``zero_grad`` walk the trainable parameters only (``nbkit.step
         self._nbkit_active = True
         self._speedups = []
         try:
-            for speedup in speedups.build("model", self.args, packed):
-                if speedup.attach(self.model):
-                    self._speedups.append(speedup)
+            for stage, target in (("model", self.model), ("trainer", self)):
+                for speedup in speedups.build(stage, self.args, packed):
+                    if speedup.attach(target):
+                        self._speedups.append(speedup)
             self.nbkit_attached = self.active_speedups
             self._train_stage.pending = speedups.build("train", self.args, packed, self.train_dataset)
             yield self._speedups
@@ -170,15 +197,6 @@ gradient clip and ``zero_grad`` walk the trainable parameters only (``nbkit.step
         """Names of the speedups attached right now and not disengaged by their own first-step decision."""
         return [f"{s.name}({s.kernel})" if getattr(s, "kernel", None) else s.name
                 for s in self._speedups + self._train_stage.attached if getattr(s, "engaged", True)]
-
-    def train(self, *args: Any, **kwargs: Any):
-        """``SFTTrainer.train`` with the speedups attached (and ``ReliableTraining``'s handling around the step)."""
-        with self.nbkit_speedups(), self._trl_router_setting():
-            return super().train(*args, **kwargs)
-
-    def evaluate(self, *args: Any, **kwargs: Any):
-        with self.nbkit_speedups(), self._trl_router_setting():
-            return super().evaluate(*args, **kwargs)
 
     @contextlib.contextmanager
     def _trl_router_setting(self) -> Iterator[None]:

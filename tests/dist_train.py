@@ -72,7 +72,7 @@ class Recorder:
         self._hooks: list = []
 
     def attach(self, model: torch.nn.Module) -> None:
-        from nbkit.speedups.ledger import unwrap_model
+        from nbkit.model_parts import unwrap_model
 
         base = unwrap_model(model)
         self._hooks = [base.get_decoder().register_forward_pre_hook(self._see, with_kwargs=True)]

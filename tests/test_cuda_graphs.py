@@ -23,8 +23,9 @@ from nbkit.ops.layer_graphs import TapeBackend
 from nbkit.ops.packed_boundaries import metadata_from_lengths
 from nbkit.speedups import SPEEDUPS, SpeedupSpec
 from nbkit.speedups import cuda_graphs as graphs_mod
-from nbkit.speedups.cuda_graphs import BUCKETS, CudaGraphs, bucket_for, doc_capacity
+from nbkit.speedups.cuda_graphs import MAX_TOKENS, CudaGraphs
 from nbkit.speedups.fused_lora import FusedLoRA
+from nbkit.speedups.graph_buckets import BUCKETS, bucket_for, doc_capacity
 from nbkit.speedups.packed_attention import PackedAttention
 
 VOCAB = 97
@@ -32,9 +33,10 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def test_buckets_hold_every_length_up_to_the_largest_and_grow_by_at_most_half():
-    assert bucket_for(1) == 256 and bucket_for(256) == 256 and bucket_for(257) == 384
-    assert bucket_for(1919) == 2048 and bucket_for(2049) == 3072 and bucket_for(8192) == 8192
-    assert bucket_for(8193) is None and bucket_for(2049, max_tokens=2048) is None
+    assert bucket_for(1, MAX_TOKENS) == 256 and bucket_for(256, MAX_TOKENS) == 256 and bucket_for(257, MAX_TOKENS) == 384
+    assert bucket_for(1919, MAX_TOKENS) == 2048 and bucket_for(2049, MAX_TOKENS) == 3072
+    assert bucket_for(8192, MAX_TOKENS) == 8192
+    assert bucket_for(8193, MAX_TOKENS) is None and bucket_for(2049, max_tokens=2048) is None
     assert all(b / a <= 1.5 for a, b in zip(BUCKETS, BUCKETS[1:]))
     assert doc_capacity(128) == 16 and doc_capacity(256) == 32 and doc_capacity(8192) == 256
 

@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from parity import Tol, add_lora, assert_same_run, run_steps, tiny_lm
 
 from nbkit.demo.models import tiny_model
 from nbkit.ops.packed_boundaries import metadata_from_lengths, metadata_from_position_ids
@@ -124,7 +125,8 @@ def test_packed_logits_equal_documents_run_one_by_one(family):
 def test_packed_gpt_oss_equals_its_documents_run_one_by_one():
     """gpt-oss (attention sinks, sliding windows of 16 tokens): nbkit's packed forward is exact. transformers' own
     packed path is not, for this family: ``GptOssModel`` builds its masks without ``position_ids`` (upstream PR
-    huggingface/transformers#39997), so packed documents attend to each other on sdpa/eager (BENCHMARKS.md section 9)."""
+    huggingface/transformers#39997), so packed documents attend to each other on sdpa/eager (BENCHMARKS.md, Learning curves
+    per family)."""
     model = tiny_model("gpt_oss", VOCAB, attn_implementation="eager")
     docs = _docs([9, 20, 4, 17])
     with torch.no_grad():
@@ -310,41 +312,26 @@ def test_sdpa_kernel_picks_one_masked_call_for_rows_of_many_short_documents(toke
 @pytest.mark.parametrize("family", ["qwen3", "gemma2"])
 def test_packed_loss_and_lora_gradients_equal_one_by_one(family):
     """The training quantity: sum of per-token losses over all documents, and LoRA A/B gradients."""
-    from peft import LoraConfig, get_peft_model
-
     docs = _docs([11, 6, 19])
+    meta = metadata_from_lengths([len(d) for d in docs])
+    bounds = meta["nbkit_cu_seqlens_host"]
 
     def fresh():
-        m = tiny_model(family, VOCAB, attn_implementation="eager")
-        torch.manual_seed(1)  # the same random LoRA init for both models
-        m = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
-        m.train()
-        return m
+        model = tiny_lm(family, attn_implementation="eager")
+        return add_lora(model, seed=1, init_lora_weights=False).train()  # the same random LoRA for both models
 
-    def lora_grads(m):
-        return {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
+    def one_by_one(model, docs):
+        return sum(F.cross_entropy(model(input_ids=d[None]).logits[0][:-1], d[1:], reduction="sum") for d in docs)
 
-    ref_model = fresh()
-    total = 0
-    for d in docs:
-        logits = ref_model(input_ids=d[None]).logits[0]
-        loss = F.cross_entropy(logits[:-1], d[1:], reduction="sum")
-        loss.backward()
-        total += loss.item()
-    ref_grads = lora_grads(ref_model)
+    def packed(model, docs):
+        logits = model(input_ids=torch.cat(docs)[None], **meta).logits[0]
+        return sum(F.cross_entropy(logits[a : b - 1], d[1:], reduction="sum") for a, b, d in zip(bounds, bounds[1:], docs))
 
+    ref = run_steps(fresh(), [docs], forward=one_by_one)
     model = fresh()
     speedup = PackedAttention()
     assert speedup.attach(model)
-    meta = metadata_from_lengths([len(d) for d in docs])
-    logits = model(input_ids=torch.cat(docs)[None], **meta).logits[0]
-    loss = 0
-    for a, b, d in zip(meta["nbkit_cu_seqlens_host"][:-1], meta["nbkit_cu_seqlens_host"][1:], docs):
-        loss = loss + F.cross_entropy(logits[a : b - 1], d[1:], reduction="sum")
-    loss.backward()
+    got = run_steps(model, [docs], forward=packed)
     speedup.detach()
-    assert abs(loss.item() - total) <= 1e-4 * abs(total)
-    grads = lora_grads(model)
-    assert ref_grads.keys() == grads.keys() and len(grads) > 0
-    for name in grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+    assert_same_run(got, ref, losses=Tol(rtol=1e-4), grads=Tol(rtol=1e-4, atol=1e-5))
+    assert all("lora_" in n for n in got.grads[0])

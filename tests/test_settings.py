@@ -109,17 +109,15 @@ def test_an_open_choice_follows_the_hardware_in_one_line(kind, expected):
 
 
 def test_the_hardware_reading_follows_the_gpus_compute_capability(monkeypatch):
-    import nbkit.loading
-
     assert settings.hardware_precision(use_cpu=True)[0] == "fp32"
     if not torch.cuda.is_available():
         assert settings.hardware_precision()[0] == "fp32"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Tesla T4")
-    monkeypatch.setattr(nbkit.loading, "pick_compute_dtype", lambda device=None: torch.float16)  # sm75
+    monkeypatch.setattr(settings, "pick_compute_dtype", lambda device=None: torch.float16)  # sm75
     assert settings.hardware_precision() == ("fp16", "Tesla T4 has no fast bf16")
-    monkeypatch.setattr(nbkit.loading, "pick_compute_dtype", lambda device=None: torch.bfloat16)  # sm80+
+    monkeypatch.setattr(settings, "pick_compute_dtype", lambda device=None: torch.bfloat16)  # sm80+
     assert settings.hardware_precision()[0] == "bf16"
     assert settings.hardware_precision(use_cpu=True)[0] == "fp32"  # use_cpu: the GPU is not used
 

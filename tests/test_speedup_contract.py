@@ -5,12 +5,15 @@ config, and every module-level function of the transformers/PEFT modules loaded.
 have changed something (else the comparison would prove nothing), and its ledger must hold every change. The only
 global act allowed is registering ``"nbkit"`` with transformers' attention/experts interfaces. A speedup that changes
 the model only once training runs (``selective_checkpointing`` decides after its first step) is exercised with
-training steps while attached, so the changes it makes then are held to the contract too.
+training steps while attached, so the changes it makes then are held to the contract too. A trainer-stage speedup
+(``stage="trainer"``) is attached to a tiny ``FastSFT`` and held to the same for the trainer's own attributes and
+its model.
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
 from typing import Any, Callable
 
 import pytest
@@ -27,6 +30,9 @@ from nbkit.speedups.moe import FastMoERouting
 from nbkit.speedups.offload import OffloadedCheckpointing
 from nbkit.speedups.packed_attention import PackedAttention
 from nbkit.speedups.selective_checkpointing import SelectiveCheckpointing
+from nbkit.speedups.step_flops import CachedFlops
+from nbkit.speedups.step_walks import CachedTrainableWalks
+from nbkit.speedups.sync_free_loss import SyncFreeLoss
 from nbkit.speedups.tiled_mlp import TiledMLP
 
 VOCAB = 97
@@ -72,8 +78,23 @@ def _train_steps(model: torch.nn.Module, steps: int = 2) -> None:
         model(input_ids=ids, labels=ids).loss.backward()
 
 
-# switch -> (model builder, speedup builder). Every row of the table must appear here.
-CASES: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[], Any]]] = {
+def _trainer() -> Any:
+    """A tiny FastSFT (LoRA on qwen3, CPU, fp32, every trainer-stage switch on); nothing is trained."""
+    from nbkit import FastSFT, FastSFTConfig
+    from nbkit.demo.data import make_dataset
+    from nbkit.demo.tokenizer import load_demo_tokenizer
+
+    tok = load_demo_tokenizer()
+    model = tiny_model("qwen3", len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
+    args = FastSFTConfig(output_dir=tempfile.mkdtemp(), max_steps=1, per_device_train_batch_size=2, report_to=[],
+                         save_strategy="no", use_cpu=True, bf16=False, max_length=64, live_dashboard=False,
+                         disable_tqdm=True, sync_free_metrics=True)
+    return FastSFT(model=model, args=args, train_dataset=make_dataset("messages", n=8), processing_class=tok,
+                   peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+
+
+# name -> (target builder: the model, or the trainer for stage "trainer"; speedup builder). Every row must be here.
+CASES: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
     "cached_packing": (lambda: tiny_model("qwen3", VOCAB), lambda: PackedAttention(kernel="auto")),
     "fast_moe_routing": (lambda: _lora(tiny_model("qwen3_moe", VOCAB)), FastMoERouting),
     "fused_lora": (lambda: _lora(tiny_model("llama", VOCAB)), FusedLoRA),
@@ -83,6 +104,9 @@ CASES: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[], Any]]] = {
     "selective_checkpointing": (lambda: _gc(_lora(tiny_model("qwen3", VOCAB))),
                                 lambda: SelectiveCheckpointing(mode=True, max_tokens=32)),
     "cuda_graphs": (lambda: _lora(tiny_model("qwen3", VOCAB)), lambda: CudaGraphs(mode=True, backend=TapeBackend())),
+    "sync_free_metrics": (_trainer, SyncFreeLoss),
+    "step_walks": (_trainer, CachedTrainableWalks),
+    "step_flops": (_trainer, CachedFlops),
 }
 # switch -> what runs while it is attached, before the comparison (default: nothing)
 EXERCISE: dict[str, Callable[[torch.nn.Module], None]] = {"selective_checkpointing": _train_steps}
@@ -109,9 +133,13 @@ def _registries() -> dict[str, dict]:
     return {k: {name: v for name, v in mapping.items() if name != "nbkit"} for k, mapping in out.items()}
 
 
-def snapshot(model: torch.nn.Module) -> dict[str, Any]:
+def snapshot(target: Any) -> dict[str, Any]:
     """Identity of everything a speedup could change: per module its own attributes and hooks; the configs; the
-    module-level objects of the loaded transformers/PEFT modules; the interface registries (bar "nbkit")."""
+    module-level objects of the loaded transformers/PEFT modules; the interface registries (bar "nbkit"); for a
+    trainer, its own attributes and all of that for its model."""
+    if not isinstance(target, torch.nn.Module):
+        return {**snapshot(target.model), "trainer": {k: id(v) for k, v in vars(target).items()}}
+    model = target
     modules = {}
     for name, m in model.named_modules():
         own = {k: id(v) for k, v in vars(m).items() if k not in _HOOK_DICTS and k != "_modules"}
@@ -146,11 +174,17 @@ def differences(before: dict, after: dict) -> list[str]:
             out.append(f"{mod}: {changed[:5]}")
     if after["registries"] != before["registries"]:
         out.append("an interface registry changed beyond 'nbkit'")
+    trainer, got = before.get("trainer", {}), after.get("trainer", {})
+    changed = sorted(k for k in set(trainer) | set(got) if got.get(k) != trainer.get(k))
+    if changed:
+        out.append(f"trainer: {changed}")
     return out
 
 
 def test_every_speedup_in_the_table_is_held_to_the_contract():
-    assert {spec.switch for spec in SPEEDUPS} == set(CASES)
+    assert {spec.name for spec in SPEEDUPS} == set(CASES)
+    for spec in SPEEDUPS:  # the name a speedup reports (nbkit_attached) is its row's
+        assert CASES[spec.name][1]().name == spec.name
 
 
 @pytest.mark.parametrize("switch", sorted(CASES))

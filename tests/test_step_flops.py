@@ -1,4 +1,4 @@
-"""``nbkit.step_flops``: FastSFT's FLOPs estimate equals transformers' with the parameter count taken once per run.
+"""``nbkit.speedups.step_flops``: FastSFT's FLOPs estimate equals transformers' with the parameter count taken once per run.
 
 Compared (CPU, fp32, tiny qwen3 with LoRA): ``state.total_flos`` of FastSFT and of plain TRL ``SFTTrainer`` on the
 same data, and how often each asks the model for its parameter count (transformers: after every micro-step).
@@ -6,27 +6,14 @@ same data, and how often each asks the model for its parameter count (transforme
 
 from __future__ import annotations
 
-import torch
-from peft import LoraConfig
-from trl import SFTConfig, SFTTrainer
-
-from nbkit import FastSFT, FastSFTConfig
-from nbkit.demo.data import make_dataset
-from nbkit.demo.models import tiny_model
-from nbkit.demo.tokenizer import load_demo_tokenizer
+from parity import fast_sft
+from trl import SFTTrainer
 
 
 def _run(tmp_path, fast: bool, steps: int = 4, runs: int = 1):
-    tok = load_demo_tokenizer()
-    model = tiny_model("qwen3", len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
-    common = dict(output_dir=str(tmp_path / f"run-{fast}"), max_steps=steps, per_device_train_batch_size=2,
-                  learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, bf16=False,
-                  seed=0, packing=True, max_length=96, dataloader_num_workers=0, disable_tqdm=True)
-    args = FastSFTConfig(**common, live_dashboard=False) if fast else SFTConfig(**common)
-    torch.manual_seed(0)
-    trainer = (FastSFT if fast else SFTTrainer)(
-        model=model, args=args, train_dataset=make_dataset("messages", n=64), processing_class=tok,
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    """FastSFT (or TRL's SFTTrainer) on the tiny qwen3 with LoRA: total_flos after each of ``runs`` train() calls,
+    and how often the model was asked for its parameter count."""
+    trainer = fast_sft(tmp_path / f"run-{fast}", max_steps=steps, trainer_cls=None if fast else SFTTrainer)
     calls = []
     count = trainer.model.num_parameters
 

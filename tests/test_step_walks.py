@@ -1,7 +1,8 @@
-"""``nbkit.step_walks``: the gradient clip and ``zero_grad`` over the trainable parameters give transformers' numbers.
+"""``nbkit.speedups.step_walks``: the gradient clip and ``zero_grad`` over the trainable parameters give transformers' numbers.
 
 Compared (CPU, fp32, tiny qwen3 with LoRA, gradient accumulation 2 so ``zero_grad`` matters): FastSFT against
-FastSFT with transformers' own clip and ``zero_grad`` (the mixin bypassed, everything else equal): the logged
+FastSFT with transformers' own clip and ``zero_grad`` (the ``step_walks`` row left out of the table, everything else
+equal): the logged
 losses and gradient norms and the trained LoRA weights bitwise equal; how often each walks the model's parameters;
 the model's ``zero_grad`` is its own again after ``train()``.
 """
@@ -10,34 +11,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig
+from parity import assert_same_series, assert_same_tensors, fast_sft, train
 
-from nbkit import FastSFT, FastSFTConfig
-from nbkit.demo.data import make_dataset
+from nbkit import speedups
 from nbkit.demo.models import tiny_model
-from nbkit.demo.tokenizer import load_demo_tokenizer
-from nbkit.step_walks import CachedTrainableWalks
 
 
 def _transformers_walks(monkeypatch) -> None:
-    """The mixin made a pass-through: FastSFT with transformers' own clip and zero_grad, everything else equal."""
-    monkeypatch.setattr(CachedTrainableWalks, "train",
-                        lambda self, *a, **k: super(CachedTrainableWalks, self).train(*a, **k))
-    monkeypatch.setattr(CachedTrainableWalks, "_clip_grad_norm",
-                        lambda self, model: super(CachedTrainableWalks, self)._clip_grad_norm(model))
+    """FastSFT with transformers' own clip and zero_grad, everything else equal: the row left out of the table."""
+    monkeypatch.setattr(speedups, "SPEEDUPS", tuple(s for s in speedups.SPEEDUPS if s.name != "step_walks"))
 
 
 def _run(tmp_path, name: str, max_grad_norm: float = 1.0, steps: int = 3):
-    tok = load_demo_tokenizer()
-    model = tiny_model("qwen3", len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
-    args = FastSFTConfig(output_dir=str(tmp_path / name), max_steps=steps, per_device_train_batch_size=2,
-                         gradient_accumulation_steps=2, learning_rate=1e-2, logging_steps=1, report_to=[],
-                         save_strategy="no", use_cpu=True, bf16=False, seed=0, packing=True, max_length=96,
-                         dataloader_num_workers=0, disable_tqdm=True, live_dashboard=False,
-                         max_grad_norm=max_grad_norm)
-    torch.manual_seed(0)
-    trainer = FastSFT(model=model, args=args, train_dataset=make_dataset("messages", n=64), processing_class=tok,
-                  peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    trainer = fast_sft(tmp_path / name, max_steps=steps, gradient_accumulation_steps=2, learning_rate=1e-2,
+                       max_grad_norm=max_grad_norm)
     walks = []
     params = trainer.model.parameters
 
@@ -46,22 +33,28 @@ def _run(tmp_path, name: str, max_grad_norm: float = 1.0, steps: int = 3):
         return params(*a, **k)
 
     trainer.model.parameters = counted
-    trainer.train()
-    logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
-    lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
-    return logs, lora, len(walks), trainer.model
+    run = train(trainer)
+    return run, len(walks), trainer.model
+
+
+def assert_same_training(run, ref) -> None:
+    """Bitwise: the same gradients reach the same kernels. The logged losses and gradient norms, the LoRA weights."""
+    assert_same_series(run.losses, ref.losses)
+    assert_same_series([h["grad_norm"] for h in run.logged], [h["grad_norm"] for h in ref.logged], what="grad_norm")
+    assert_same_tensors(run.weights, ref.weights, where="LoRA weight")
+    assert all("lora_" in n for n in run.weights)
 
 
 @pytest.mark.parametrize("max_grad_norm", [1.0, 1e-3])  # 1e-3: every step clipped
 def test_same_norms_losses_and_weights_with_fewer_walks(tmp_path, one_thread, max_grad_norm):
     with pytest.MonkeyPatch.context() as mp:
         _transformers_walks(mp)
-        ref_logs, ref_lora, ref_walks, _ = _run(tmp_path, "ref", max_grad_norm)
-    logs, lora, walks, model = _run(tmp_path, "fast", max_grad_norm)
-    assert len(logs) == 3 and logs == ref_logs  # bitwise: the same gradients reach the same kernels
-    assert lora.keys() == ref_lora.keys() and all(torch.equal(lora[n], ref_lora[n]) for n in lora)
+        ref, ref_walks, _ = _run(tmp_path, "ref", max_grad_norm)
+    run, walks, model = _run(tmp_path, "fast", max_grad_norm)
+    assert len(run.losses) == 3
+    assert_same_training(run, ref)
     # transformers walks the parameters for the clip and for zero_grad after each of the 3 optimizer steps; the
-    # mixin lists them once (the other walks, building the optimizer and the like, are the same in both)
+    # speedup lists them once (the other walks, building the optimizer and the like, are the same in both)
     assert ref_walks - walks == 2 * 3 - 1
     assert "zero_grad" not in vars(model)  # the model's own method again
 
@@ -69,9 +62,9 @@ def test_same_norms_losses_and_weights_with_fewer_walks(tmp_path, one_thread, ma
 def test_without_clipping_zero_grad_still_clears(tmp_path, one_thread):
     with pytest.MonkeyPatch.context() as mp:
         _transformers_walks(mp)
-        ref_logs, ref_lora, _, _ = _run(tmp_path, "ref", max_grad_norm=0.0)
-    logs, lora, _, model = _run(tmp_path, "fast", max_grad_norm=0.0)
-    assert logs == ref_logs and all(torch.equal(lora[n], ref_lora[n]) for n in lora)
+        ref, _, _ = _run(tmp_path, "ref", max_grad_norm=0.0)
+    run, _, model = _run(tmp_path, "fast", max_grad_norm=0.0)
+    assert_same_training(run, ref)
     assert "zero_grad" not in vars(model)
 
 
@@ -88,11 +81,11 @@ def test_train_mode_is_set_without_walking_the_module_tree(tmp_path, one_thread,
     monkeypatch.setattr(torch.nn.Module, "train", counted)
     with pytest.MonkeyPatch.context() as mp:
         _transformers_walks(mp)
-        ref_logs, ref_lora, _, ref_model = _run(tmp_path, "ref")
+        ref, _, ref_model = _run(tmp_path, "ref")
     ref_calls, modules = len(calls), len(list(ref_model.modules()))
     calls.clear()
-    logs, lora, _, model = _run(tmp_path, "fast")
-    assert logs == ref_logs and all(torch.equal(lora[n], ref_lora[n]) for n in lora)
+    run, _, model = _run(tmp_path, "fast")
+    assert_same_training(run, ref)
     # 3 optimizer steps x 2 micro-steps, each a walk of every module in transformers' loop; the flat list walks at
     # the first only (the model comes from its load in eval mode)
     assert ref_calls - len(calls) == (3 * 2 - 1) * modules
@@ -100,7 +93,7 @@ def test_train_mode_is_set_without_walking_the_module_tree(tmp_path, one_thread,
 
 
 def test_the_flat_train_leaves_what_module_train_leaves():
-    from nbkit.step_walks import _flat_train
+    from nbkit.speedups.step_walks import _flat_train
 
     model = tiny_model("qwen3", 64)
     train = _flat_train(model)

@@ -13,28 +13,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig
+from parity import assert_same_tensors, fast_sft, train
 
-from nbkit import FastSFT, FastSFTConfig
 from nbkit.demo.data import make_dataset
-from nbkit.demo.models import tiny_model
-from nbkit.demo.tokenizer import load_demo_tokenizer
 
 
 def _trainer(tmp_path, sync_free: bool, family="qwen3", packing=True, logging_steps=1, accumulation=1):
-    tok = load_demo_tokenizer()
-    model = tiny_model(family, len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
-    args = FastSFTConfig(
-        output_dir=str(tmp_path / f"{sync_free}-{family}-{packing}"), max_steps=4, per_device_train_batch_size=2,
-        gradient_accumulation_steps=accumulation, learning_rate=1e-3, logging_steps=logging_steps, report_to=[],
-        save_strategy="no", use_cpu=True, bf16=False, seed=0, packing=packing, max_length=96, shuffle_dataset=False,
-        dataloader_num_workers=0, disable_tqdm=True, live_dashboard=False, sync_free_metrics=sync_free,
-        per_device_eval_batch_size=2, eval_strategy="no",
-    )
-    torch.manual_seed(0)
-    return FastSFT(model=model, args=args, train_dataset=make_dataset("messages", n=64),
-                   eval_dataset=make_dataset("messages", n=8, split="eval"), processing_class=tok,
-                   peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    return fast_sft(
+        tmp_path / f"{sync_free}-{family}-{packing}", family=family, max_steps=4, gradient_accumulation_steps=accumulation,
+        logging_steps=logging_steps, shuffle_dataset=False, packing=packing, sync_free_metrics=sync_free,
+        per_device_eval_batch_size=2, eval_strategy="no", eval_dataset=make_dataset("messages", n=8, split="eval"))
 
 
 def _history(trainer) -> list[dict]:
@@ -49,12 +37,10 @@ def _history(trainer) -> list[dict]:
 def test_logged_values_and_weights_equal_trls(tmp_path, one_thread, family, packing, logging_steps, accumulation):
     runs = {}
     for sync_free in (False, True):
-        trainer = _trainer(tmp_path, sync_free, family, packing, logging_steps, accumulation)
-        trainer.train()
-        trainer.evaluate()
-        weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-        runs[sync_free] = (_history(trainer), weights, trainer)
-    (plain, w_plain, _), (fast, w_fast, trainer) = runs[False], runs[True]
+        run = train(_trainer(tmp_path, sync_free, family, packing, logging_steps, accumulation))
+        run.trainer.evaluate()
+        runs[sync_free] = (_history(run.trainer), run)
+    (plain, plain_run), (fast, fast_run) = runs[False], runs[True]
     assert len(plain) == len(fast) and len(plain) >= 3
     keys = {k for h in plain for k in h}
     assert {"loss", "entropy", "mean_token_accuracy", "num_tokens", "eval_loss", "eval_entropy"} <= keys, keys
@@ -66,9 +52,8 @@ def test_logged_values_and_weights_equal_trls(tmp_path, one_thread, family, pack
             assert b[key] == pytest.approx(a[key], rel=1e-6), (key, a[key], b[key])
             assert not isinstance(b[key], torch.Tensor), key
     assert [h["num_tokens"] for h in plain if "num_tokens" in h][-1] > 0
-    assert isinstance(trainer._total_train_tokens, int)
-    for name, w in w_plain.items():
-        assert torch.equal(w_fast[name], w), name
+    assert isinstance(fast_run.trainer._total_train_tokens, int)
+    assert_same_tensors(fast_run.weights, plain_run.weights, where="trained weight")  # bitwise
 
 
 def test_the_step_reads_nothing_on_the_host(tmp_path, one_thread, monkeypatch):
@@ -97,7 +82,7 @@ def test_the_step_reads_nothing_on_the_host(tmp_path, one_thread, monkeypatch):
 
 
 def test_cases_it_does_not_mirror_take_trls_path(tmp_path):
-    from nbkit import sync_free_loss
+    from nbkit.speedups import sync_free_loss
 
     trainer = _trainer(tmp_path, True)
     assert sync_free_loss.applies(trainer, return_outputs=False)

@@ -147,7 +147,7 @@ def dequantized_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A float32 CPU model with ``model``'s base weights, each bitsandbytes 4-bit weight dequantized."""
     from transformers import AutoModelForCausalLM
 
-    from ..speedups.ledger import unwrap_model
+    from ..model_parts import unwrap_model
 
     base = unwrap_model(model)
     config = copy.deepcopy(base.config)

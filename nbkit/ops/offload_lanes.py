@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..memory import meminfo
+from ..memory import meminfo, room_for
 
 _MiB = 2**20
 
@@ -416,11 +416,7 @@ class _Lane:
         """A cache hit (enough reserved-but-unused memory), or free VRAM for it and one more input."""
         if not self.cuda:
             return True
-        slack = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        if slack >= nbytes:
-            return True
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return free >= 2 * nbytes
+        return room_for(self.device, nbytes)
 
     def _resolve_timings(self, block: bool) -> None:
         """Fold the events of served prefetches into the stats once they have completed."""

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from ..config import switch
-from ..speedups.ledger import unwrap_model
+from ..model_parts import unwrap_model
+from ..switches import switch
 from . import checkpoints, nonfinite, oom
 from .guards import validate_training_inputs
 from .stop_token import ROWS_CHECKED, StopTokenCheck, check_stop_token
@@ -52,7 +52,6 @@ class ReliableTraining:
         self.nbkit_masked: list[nonfinite.MaskedBatch] = []
         self._nbkit_micro = 0  # micro-batches run in the current gradient-accumulation window
         self._nbkit_skip_window = False
-        self._nbkit_pending_loss: torch.Tensor | None = None
         self._nbkit_staging: Path | None = None
         self._nbkit_locator: nonfinite.DocumentLocator | None = None
         self._nbkit_check_inputs(model, args, data_collator, pargs, kwargs)
@@ -88,15 +87,15 @@ class ReliableTraining:
         return check_stop_token(tokenizer, rows, getattr(unwrap_model(self.model), "generation_config", None))
 
     # -- train ---------------------------------------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
-        """``train``; ``resume_from_checkpoint=True`` picks the newest complete checkpoint (a damaged one named
-        explicitly fails before training), and an out-of-memory error outside the step (optimizer, evaluation, save)
-        is explained too."""
-        resume_from_checkpoint = self._nbkit_prepare_resume(resume_from_checkpoint)
+    def nbkit_reliably(self, train: Any, resume_from_checkpoint: str | bool | None, *args: Any, **kwargs: Any) -> Any:
+        """``train(resume_from_checkpoint, *args, **kwargs)`` (the trainer's ``train``) with this run's counters
+        reset, an out-of-memory error outside the step (optimizer, evaluation, save) explained, and the skipped and
+        masked batches summed up at the end. ``resume_from_checkpoint`` goes through ``nbkit_prepare_resume``
+        first (the caller does that before anything is attached)."""
         self._nbkit_micro, self._nbkit_skip_window = 0, False
         self.nbkit_masked = []
         try:
-            result = super().train(resume_from_checkpoint, *args, **kwargs)
+            result = train(resume_from_checkpoint, *args, **kwargs)
         except torch.OutOfMemoryError as error:
             if isinstance(error, oom.TrainingOutOfMemoryError):
                 raise
@@ -128,7 +127,6 @@ class ReliableTraining:
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None):
         """TRL's step; an out-of-memory error frees the step's memory and is re-raised with what to change."""
         self._nbkit_micro += 1
-        self._nbkit_pending_loss = None
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)
         except torch.OutOfMemoryError as error:
@@ -136,7 +134,8 @@ class ReliableTraining:
                 raise
             original = oom.forget_exception(error)  # its frames hold the step's activations
         else:
-            self._nbkit_check_loss(inputs)
+            if switch(self.args, "on_nonfinite_loss") != "off":
+                self._nbkit_check_loss(loss, inputs)
             self._nbkit_end_micro_batch()
             return loss
         del inputs
@@ -165,26 +164,14 @@ class ReliableTraining:
             device=self.args.device,
         )
 
-    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
-                     num_items_in_batch: Any = None):
-        """TRL's loss; in training it is kept for the non-finite check made after its backward (``on_nonfinite_loss``).
-
-        The check is not made here: reading the loss on the host between forward and backward stalls the GPU queue
-        (a measurable share of the step at long context). After the backward, transformers reads the loss anyway
-        (``logging_nan_inf_filter``), and nothing has touched the weights yet.
-        """
-        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                      num_items_in_batch=num_items_in_batch)
-        if self.model.training and switch(self.args, "on_nonfinite_loss") != "off":
-            self._nbkit_pending_loss = (result[0] if return_outputs else result).detach()
-        return result
-
-    def _nbkit_check_loss(self, inputs: dict[str, Any]) -> None:
+    def _nbkit_check_loss(self, loss: torch.Tensor, inputs: dict[str, Any]) -> None:
         """After a micro-batch's backward, before any optimizer step: stop or skip on a non-finite loss, warn about
-        a batch with no label to train on. One host read for both."""
-        loss, self._nbkit_pending_loss = self._nbkit_pending_loss, None
-        if loss is None:
-            return
+        a batch with no label to train on. One host read for both.
+
+        ``loss`` is what the step returns (detached; divided by the accumulation steps where transformers divides
+        it): it is non-finite exactly when the loss its backward ran on was. Reading it here, not between forward
+        and backward, keeps the GPU's queue full; transformers reads it after the backward anyway
+        (``logging_nan_inf_filter``), and nothing has touched the weights yet."""
         bad = (~torch.isfinite(loss).all()).to(torch.int32)
         if self.accelerator.num_processes > 1:  # every rank must take the same branch: collectives follow
             bad = self.accelerator.reduce(bad, reduction="sum")
@@ -333,7 +320,7 @@ class ReliableTraining:
         with checkpoints.atomic_directory(target) as staging:
             super().save_model(str(staging), _internal_call)
 
-    def _nbkit_prepare_resume(self, resume: str | bool | None) -> str | bool | None:
+    def nbkit_prepare_resume(self, resume: str | bool | None) -> str | bool | None:
         """Tidy what a kill left in output_dir; turn ``True`` into the newest complete checkpoint, and check a named one.
 
         ``True``: checkpoints are tried newest first; each damaged or unfinished one is named in one warning with what

@@ -1,12 +1,14 @@
 """nbkit's speedups, and the one table the trainer chooses them from.
 
-Each entry names its ``FastSFTConfig`` switch, when it attaches, and how it is built from the run's arguments. A
-speedup module wires one idea into transformers/PEFT through a ``PatchLedger`` (``ledger.py``: what a speedup may
-touch); the numerics it runs live in ``nbkit.ops``.
+Each entry names the speedup (its ``FastSFTConfig`` switch, where it has one), when it attaches, and how it is built
+from the run's arguments. A speedup module wires one idea into transformers/PEFT/TRL through a ``PatchLedger``
+(``ledger.py``: what a speedup may touch); the numerics it runs live in ``nbkit.ops``.
 
-- ``stage="model"``: attached when ``train()`` / ``evaluate()`` starts, detached when it ends.
-- ``stage="train"``: attached when training begins (``on_train_begin``: after transformers has enabled gradient
-  checkpointing on the model), detached with the others.
+- ``stage="model"``: attached to the model when ``train()`` / ``evaluate()`` starts, detached when it ends.
+- ``stage="trainer"``: attached to the trainer right after the model stage (what it changes is the trainer's step:
+  its loss, its clip, its FLOPs count), detached with the others.
+- ``stage="train"``: attached to the model when training begins (``on_train_begin``: after transformers has enabled
+  gradient checkpointing on the model), detached with the others.
 
 A speedup that decides at its first steps whether to do anything (``selective_checkpointing``, ``cuda_graphs``) says
 so through an ``engaged`` attribute; the trainer lists it in ``nbkit_attached`` only while it is engaged.
@@ -17,20 +19,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional
 
-from ..config import switch
-from .ledger import PatchLedger, Speedup, unwrap_model
+from ..switches import switch
+from .ledger import PatchLedger, Speedup
 
-__all__ = ["SPEEDUPS", "SpeedupSpec", "PatchLedger", "Speedup", "unwrap_model", "build"]
+__all__ = ["SPEEDUPS", "SpeedupSpec", "PatchLedger", "Speedup", "build"]
+
+
+Stage = Literal["model", "trainer", "train"]
+STAGES: tuple[Stage, ...] = ("model", "trainer", "train")  # attach order
 
 
 @dataclass(frozen=True)
 class SpeedupSpec:
-    """One row of the table: the switch, the stage, and a builder that returns the speedup or None (switched off,
-    or not applicable to this run: then the plain path is TRL's own)."""
+    """One row of the table: the speedup's name, the stage, and a builder that returns the speedup or None (switched
+    off, or not applicable to this run: then the plain path is TRL's own). ``switched``: whether ``name`` is a
+    ``FastSFTConfig`` switch; the others are always on (they skip work whose result cannot change)."""
 
-    switch: str
-    stage: Literal["model", "train"]
+    name: str
+    stage: Stage
     build: Callable[[Any, bool, Any], Optional[Speedup]]  # (args, batches packed by nbkit's collator, train dataset)
+    switched: bool = True
+
+    @property
+    def switch(self) -> Optional[str]:
+        """The ``FastSFTConfig`` field that turns it off, or None."""
+        return self.name if self.switched else None
 
 
 def _packed(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
@@ -155,12 +168,35 @@ def _graphs(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Sp
     return CudaGraphs(mode=mode)
 
 
+def _sync_free(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
+    if not switch(args, "sync_free_metrics"):
+        return None
+    from .sync_free_loss import SyncFreeLoss
+
+    return SyncFreeLoss()
+
+
+def _walks(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
+    from .step_walks import CachedTrainableWalks
+
+    return CachedTrainableWalks()
+
+
+def _flops(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
+    from .step_flops import CachedFlops
+
+    return CachedFlops()
+
+
 SPEEDUPS: tuple[SpeedupSpec, ...] = (
     SpeedupSpec("cached_packing", "model", _packed),
     SpeedupSpec("fast_moe_routing", "model", _moe),
     SpeedupSpec("fused_lora", "model", _lora),
     SpeedupSpec("fused_kernels", "model", _kernels),
     SpeedupSpec("tiled_mlp", "model", _tiled),  # after fused_kernels: it wraps the MLP forward found
+    SpeedupSpec("sync_free_metrics", "trainer", _sync_free),
+    SpeedupSpec("step_walks", "trainer", _walks, switched=False),
+    SpeedupSpec("step_flops", "trainer", _flops, switched=False),
     SpeedupSpec("offload_checkpointing", "train", _offload),
     SpeedupSpec("selective_checkpointing", "train", _selective),  # after offload: it wraps the checkpoint found
     SpeedupSpec("cuda_graphs", "train", _graphs),  # graphs the layers left un-checkpointed

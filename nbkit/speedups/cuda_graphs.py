@@ -6,14 +6,12 @@ engine), and the GPU finishes each before the next is launched. A captured graph
 
 How:
 
-- Buckets. A graph has fixed shapes, and packed or padding-free micro-batches do not: a micro-batch of ``T`` tokens
-  runs on the graphs of the smallest bucket (``BUCKETS``: 256 tokens to ``max_tokens``, steps of at most 1.5x) that
-  holds it. Its hidden states are copied into the layer's static input and the rest of the bucket zeroed; the
-  padding is one more document in the static ``cu_seqlens`` (zero-length documents fill the rest), so attention never
-  mixes it with real tokens, and the gradient reaching it is zero, so it adds exactly nothing to the LoRA gradients.
-  Only the GEMMs' shapes change: results agree with the eager layer to rounding.
-- Static metadata. The varlen kernels read ``cu_seqlens`` from one static buffer per bucket (copied once per forward)
-  with the bucket's length as the bound; cos/sin and position ids likewise. Nothing is read on the host.
+- Buckets and static metadata (``graph_buckets``): a micro-batch of ``T`` tokens runs on the graphs of the smallest
+  bucket that holds it (up to ``max_tokens``). Its hidden states are copied into the layer's static input and the
+  rest of the bucket zeroed; the padding is one more document in the bucket's static ``cu_seqlens``, so attention
+  never mixes it with real tokens, and the gradient reaching it is zero, so it adds exactly nothing to the LoRA
+  gradients. Only the GEMMs' shapes change: results agree with the eager layer to rounding. A set of graphs is keyed
+  by a ``Variant`` (bucket, autocast state, constant and per-token arguments), decided at a forward's first layer.
 - Capture, per bucket at its first call, through ``nbkit.ops.layer_graphs`` (the engine and its contract): every
   eligible layer's forward graph in layer order, then every backward graph in reverse, before any replay has written
   the static inputs that autograd saved. That is the order they replay in, which is what lets the graphs of one
@@ -22,19 +20,20 @@ How:
   ``PackedRun`` over the bucket's static buffers, made inside its capture, so a mask an attention kernel builds on
   first use is built by that graph at every replay.
 
-Eager instead, per call and said once per reason: not training, no grad, the layer checkpointed (its recompute
-is not graphed), more tokens than ``max_tokens``, more documents than a bucket holds, an argument the graph cannot
-take (a padding mask, a KV cache, an unknown tensor), no varlen kernel (``cached_packing`` with the ``varlen`` or
-``flash_attn`` kernel), hooks on a module inside the layer (a graph would run them once, at capture), not enough
-free memory for another layer's graphs (what is left of the process's limit, as ``selective_checkpointing`` reads it,
-must stay above ``RESERVE`` of that limit and above the step's peak so far less what it holds now), a trainable
-parameter the graph does not reach (held by reference outside its module). Not attached:
-not CUDA, a MoE model (the experts' shapes depend on the routing), dropout in a decoder layer (random numbers would
+Eager instead, per call, said once per reason and counted in ``eager`` (each reason an ``Eager``: its text, and
+whether it holds for this call, until the layer is un-checkpointed, or for the variant): not training, no grad, the
+layer checkpointed (its recompute is not graphed), more tokens than ``max_tokens``, more documents than a bucket
+holds, an argument the graph cannot take (a padding mask, a KV cache, an unknown tensor), no varlen kernel
+(``cached_packing`` with the ``varlen`` or ``flash_attn`` kernel), hooks on a module inside the layer (a graph would
+run them once, at capture), not enough free memory for another layer's graphs (what is left of the process's limit,
+``nbkit.memory.gpu_limit``, must stay above ``RESERVE`` of that limit and above the step's peak so far less what it
+holds now), a trainable parameter the graph does not reach (held by reference outside its module). Not attached: not
+CUDA, a MoE model (the experts' shapes depend on the routing), dropout in a decoder layer (random numbers would
 repeat).
 
 Modes: "auto" graphs a bucket only while a layer's parameters x the bucket's tokens stay below ``AUTO_MAX_WORK``:
 larger layers keep the GPU busy on their own, and then the padding and the static copies cost more than the
-launches saved (where the crossing was measured: BENCHMARKS.md section 13). True graphs every bucket up to
+launches saved (where the crossing was measured: BENCHMARKS.md, cuda_graphs). True graphs every bucket up to
 ``max_tokens``.
 
 Contract: the same losses and gradients as the eager layers up to rounding; a layer's forward must be followed by its
@@ -46,30 +45,31 @@ frozen at capture as on a GPU, so a stale input or an unreached parameter shows 
 
 from __future__ import annotations
 
+import enum
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 
+from ..memory import gpu_in_use, memory_readings
+from ..model_parts import decoder_layers, unwrap_model
 from ..ops.layer_graphs import CudaGraphBackend, GraphedLayer, UnreachedParameters, replay
 from ..ops.varlen_attention import KERNEL_FNS, PackedRun
+from ..say_once import SayOnce
 from ..settings import check_value
-from .ledger import PatchLedger, unwrap_model
-from .selective_checkpointing import memory_readings
+from .graph_buckets import BUCKETS, DROPPED_KWARGS, TOKENWISE_KWARGS, BucketMetadata, bucket_for, doc_capacity, rope_key
+from .ledger import PatchLedger
 
 logger = logging.getLogger(__name__)
 
 Mode = Union[bool, Literal["auto"]]
-BUCKETS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 MAX_TOKENS = 8192  # beyond this a layer's kernels are long enough to hide their launches: eager
-AUTO_MAX_WORK = 6e11  # 'auto': a layer's parameters x a bucket's tokens, at most (BENCHMARKS.md section 13)
-MIN_DOCS, MAX_DOCS = 16, 256  # documents a bucket holds: tokens / 8 within these (its padding document on top)
+AUTO_MAX_WORK = 6e11  # 'auto': a layer's parameters x a bucket's tokens, at most (BENCHMARKS.md, cuda_graphs)
 MAX_CAPTURES = 2 * len(BUCKETS)  # capture calls (buckets, argument states, layers un-checkpointed late)
 RESERVE = 0.10  # of the memory this process may use, left free at least when capturing another layer's graphs
 _FUSED_KERNELS = (KERNEL_FNS["varlen"], KERNEL_FNS["flash_attn"])
-TOKENWISE_KWARGS = ("position_ids", "cache_position", "seq_idx")  # one value per token: copied into static twins
 _NONE_KWARGS = ("attention_mask", "past_key_values", "past_key_value", "cache")
-_DROPPED_KWARGS = ("nbkit_cu_seqlens_host", "num_items_in_batch")  # read by no kernel in a decoder layer
 _MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
@@ -80,97 +80,6 @@ def layer_parameters(layer: torch.nn.Module) -> int:
         state = getattr(p, "quant_state", None)
         total += int(torch.Size(state.shape).numel()) if state is not None and getattr(state, "shape", None) else p.numel()
     return total
-
-
-def bucket_for(tokens: int, max_tokens: int = MAX_TOKENS) -> Optional[int]:
-    """The smallest bucket holding ``tokens`` (None above ``max_tokens``)."""
-    for size in BUCKETS:
-        if size > max_tokens:
-            return None
-        if tokens <= size:
-            return size
-    return None
-
-
-def doc_capacity(bucket: int) -> int:
-    """Real documents a bucket's static ``cu_seqlens`` holds (its padding document comes on top)."""
-    return min(MAX_DOCS, max(MIN_DOCS, bucket // 8))
-
-
-class _Shared:
-    """One bucket's static metadata, shared by its layers and refreshed once per forward."""
-
-    def __init__(self, bucket: int, kernel: Callable, device: torch.device) -> None:
-        self.bucket = bucket
-        # (cos, sin) per layer type (``rope_key``): gemma3's sliding and full layers are handed other ones
-        self.rope: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._rope_given: dict[Any, torch.Tensor] = {}  # this forward's cos per layer type, by identity
-        self.tokenwise: dict[str, torch.Tensor] = {}  # position_ids, cache_position, seq_idx: made at first sight
-        slots = doc_capacity(bucket) + 2  # 0, the real documents' ends, the padding's end
-        self.cu_q = torch.full((slots,), bucket, dtype=torch.int32, device=device)
-        self.cu_k = torch.full((slots,), bucket, dtype=torch.int32, device=device)
-        self.kernel = kernel
-        self.grad_out: Optional[torch.Tensor] = None  # (1, bucket, hidden), made with the first layer's graphs
-        self._source: Any = None
-
-    def load(self, tokens: int, kwargs: dict, key: Any) -> bool:
-        """Copy this forward's metadata in: the rows' once per forward, the position embeddings once per layer type.
-        False when a layer of an already loaded type is handed other (cos, sin): its call must run eagerly."""
-        run: PackedRun = kwargs["nbkit_run"]
-        if self._source is not run:
-            self._load_rows(tokens, kwargs, run)
-            self._rope_given = {}
-        cos, sin = kwargs["position_embeddings"]
-        if key in self._rope_given:
-            return self._rope_given[key] is cos
-        static = self.rope_slot(key, (cos, sin))
-        if static[0].shape[-1] != cos.shape[-1] or static[1].shape[-1] != sin.shape[-1]:
-            return False
-        static[0][:, :tokens].copy_(cos)
-        static[1][:, :tokens].copy_(sin)
-        self._rope_given[key] = cos
-        return True
-
-    def rope_slot(self, key: Any, like: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The static (cos, sin) of one layer type (made on first sight, shaped as ``like``)."""
-        if key not in self.rope:
-            self.rope[key] = tuple(t.new_zeros((1, self.bucket, t.shape[-1])) for t in like)
-        return self.rope[key]
-
-    def _load_rows(self, tokens: int, kwargs: dict, run: PackedRun) -> None:
-        for key in TOKENWISE_KWARGS:
-            if kwargs.get(key) is not None:
-                self._static(key, kwargs[key])[..., :tokens].copy_(kwargs[key])
-        for static, cu in ((self.cu_q, run.cu_q), (self.cu_k, run.cu_k)):
-            n = cu.numel()
-            static[:n].copy_(cu)
-            static[n:].fill_(self.bucket)  # the padding's end, then zero-length documents
-        self._source = run  # held: a later forward's run cannot reuse its id
-
-    def _static(self, key: str, like: torch.Tensor) -> torch.Tensor:
-        """The bucket-long static twin of a per-token tensor (tokens on its last dimension; the padding reads 0)."""
-        if key not in self.tokenwise:
-            self.tokenwise[key] = like.new_zeros((*like.shape[:-1], self.bucket))
-        return self.tokenwise[key]
-
-    def static_kwargs(self, given: dict, key: Any) -> Callable[[], dict]:
-        """The layer's keyword arguments for a capture: the given ones with the static tensors in their place (the
-        position embeddings of its layer type) and a new ``PackedRun`` over the static buffers at each call (its
-        caches are filled inside the capture)."""
-        out = {k: v for k, v in given.items() if k not in _DROPPED_KWARGS}
-        out["position_embeddings"] = self.rope_slot(key, given["position_embeddings"])
-        for key in TOKENWISE_KWARGS:
-            if given.get(key) is not None:
-                out[key] = self._static(key, given[key])
-        out.update(cu_seq_lens_q=self.cu_q, cu_seq_lens_k=self.cu_k, max_length_q=self.bucket,
-                   max_length_k=self.bucket)
-
-        def make() -> dict:
-            run = PackedRun(kernel=self.kernel, cu_q=self.cu_q, cu_k=self.cu_k, max_q=self.bucket, max_k=self.bucket,
-                            host_offsets=None, training=True, tokens=self.bucket)
-            return {**out, "nbkit_run": run}
-
-        return make
 
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -186,27 +95,52 @@ def _hooked(layer: torch.nn.Module) -> bool:
     return any(getattr(m, name, None) for m in layer.modules() if m is not layer for name in _HOOKS)
 
 
-# reasons a layer's call runs eagerly that the code acts on (the others are only counted and said)
-CHECKPOINTED = "checkpointed layer"  # its recompute is not graphed; captured at its next call once un-checkpointed
-HOOKED = "hooks inside the layer"
-UNREACHED = "trainable parameters the graph does not reach (held by reference outside their module)"
-CAPTURE_FAILED = "capture failed"
+class Kind(enum.Enum):
+    """What the code does with a reason a layer call runs eagerly."""
+
+    THIS_CALL = "this call"  # the forward's shape or arguments: the next forward may replay
+    CHECKPOINTED = "checkpointed"  # recomputed in backward: captured at its next call once un-checkpointed
+    LASTING = "lasting"  # this layer stays eager in this variant (hooks, unreached parameters, failed capture, memory)
 
 
-def rope_key(layer: torch.nn.Module) -> Any:
-    """Which (cos, sin) a decoder layer is handed: one per attention type where the model has several (gemma3's
-    sliding layers take the local rope, its full ones the global), the same for all otherwise. A guess checked at
-    every call (``_Shared.load``): a layer handed other ones than its type's runs eagerly."""
-    types, index = getattr(getattr(layer, "config", None), "layer_types", None), getattr(layer, "layer_idx", None)
-    if types and isinstance(index, int) and 0 <= index < len(types):
-        return types[index]
-    return getattr(layer, "attention_type", None)
+@dataclass(frozen=True)
+class Eager:
+    """Why a layer call runs eagerly: ``text`` is what is said once and counted in ``CudaGraphs.eager``."""
+
+    text: str
+    kind: Kind = Kind.THIS_CALL
 
 
-def _layer_reason(layer: torch.nn.Module) -> Optional[str]:
+NOT_TRAINING = Eager("not training")
+CHECKPOINTED = Eager("checkpointed layer", Kind.CHECKPOINTED)
+HOOKED = Eager("hooks inside the layer", Kind.LASTING)
+UNREACHED = Eager("trainable parameters the graph does not reach (held by reference outside their module)",
+                  Kind.LASTING)
+CAPTURE_FAILED = Eager("capture failed", Kind.LASTING)
+TOO_MANY_CAPTURES = Eager("too many captures")
+OTHER_ROPE = Eager("position embeddings differ between layers of one type")
+OTHER_GRAD = Eager("the input's requires_grad differs from the capture's")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What one set of graphs is captured for: the same for every layer of one forward, decided at its first."""
+
+    bucket: int
+    autocast: tuple  # (enabled, dtype) on the input's device
+    constants: tuple  # the bool/int/float/str keyword arguments, sorted
+    tokenwise: tuple  # which per-token arguments are given
+
+
+def _recapture(entry: Union[GraphedLayer, Eager]) -> bool:
+    """Whether a layer without graphs in a variant gets them at its next call (it was checkpointed at capture)."""
+    return isinstance(entry, Eager) and entry.kind is Kind.CHECKPOINTED
+
+
+def _layer_reason(layer: torch.nn.Module) -> Optional[Eager]:
     """Why this layer's call runs eagerly whatever the forward (None: it may run on graphs)."""
     if not layer.training or not torch.is_grad_enabled():
-        return "not training"
+        return NOT_TRAINING
     if getattr(layer, "gradient_checkpointing", False):
         return CHECKPOINTED
     return None
@@ -242,7 +176,7 @@ class CudaGraphs:
         self.backend = backend if backend is not None else CudaGraphBackend()
         self.max_tokens = self._given_max = max_tokens
         self._ledger = PatchLedger(self.name)
-        self._said: set[str] = set()
+        self._say = SayOnce(logger, "nbkit cuda_graphs")
         self._reset()
         self._count()
 
@@ -254,11 +188,11 @@ class CudaGraphs:
     def _reset(self) -> None:
         self._layers: list[torch.nn.Module] = []
         self._originals: list[Callable] = []
-        self._graphs: dict[tuple, Union[GraphedLayer, str]] = {}  # (layer, variant): its graphs, or why it has none
-        self._shared: dict[int, _Shared] = {}
+        self._graphs: dict[tuple[int, Variant], Union[GraphedLayer, Eager]] = {}  # its graphs, or why it has none
+        self._shared: dict[int, BucketMetadata] = {}  # by bucket
         self._captures = 0
         self._plan_run: Optional[PackedRun] = None
-        self._plan_of_run: Union[str, tuple] = ""
+        self._plan_of_run: Union[Eager, Variant, None] = None
         self._layer_bytes: Optional[int] = None
 
     @property
@@ -272,13 +206,11 @@ class CudaGraphs:
         self._count()
         if self.mode is False:
             return False
-        try:
-            from transformers.modeling_layers import GradientCheckpointingLayer
-        except ImportError:
+        layers = decoder_layers(model)
+        if layers is None:
             self._say("old", "this transformers has no decoder layer class to find; stays off")
             return False
         base = unwrap_model(model)
-        layers = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
         if not layers:
             self._say("nolayers", f"no decoder layers found in {type(base).__name__}; stays off")
             return False
@@ -319,22 +251,23 @@ class CudaGraphs:
             why = _layer_reason(layer)
             if why is None:
                 plan = self._plan(hidden_states, args, kwargs)
-                graphs = plan if isinstance(plan, str) else self._graphs_for(index, plan, hidden_states, kwargs)
-                if isinstance(graphs, GraphedLayer) and graphs.x.requires_grad == hidden_states.requires_grad:
-                    if self._shared[plan[0]].load(hidden_states.shape[1], kwargs, rope_key(layer)):
-                        self.replays += 1
-                        return replay(graphs, hidden_states)
-                    why = "position embeddings differ between layers of one type"
+                graphs = plan if isinstance(plan, Eager) else self._graphs_for(index, plan, hidden_states, kwargs)
+                if isinstance(graphs, Eager):
+                    why = graphs
+                elif graphs.x.requires_grad != hidden_states.requires_grad:
+                    why = OTHER_GRAD
+                elif not self._shared[plan.bucket].load(hidden_states.shape[1], kwargs, rope_key(layer)):
+                    why = OTHER_ROPE
                 else:
-                    why = graphs if isinstance(graphs, str) else "the input's requires_grad differs from the capture's"
-            if why not in self.eager:
-                self._say(f"eager:{why}", f"a layer call ran eagerly: {why}", logging.INFO)
-            self.eager[why] = self.eager.get(why, 0) + 1
+                    self.replays += 1
+                    return replay(graphs, hidden_states)
+            self._say(f"eager:{why.text}", f"a layer call ran eagerly: {why.text}", logging.INFO)
+            self.eager[why.text] = self.eager.get(why.text, 0) + 1
             return original(hidden_states, *args, **kwargs)
 
         return forward
 
-    def _plan(self, x: Any, args: tuple, kwargs: dict) -> Union[str, tuple]:
+    def _plan(self, x: Any, args: tuple, kwargs: dict) -> Union[Eager, Variant]:
         """This forward's graph variant (bucket, autocast state, constant arguments, per-token arguments), or why
         its layer calls cannot run on graphs. The same for every layer of one forward: decided at its first call."""
         run = kwargs.get("nbkit_run")
@@ -345,58 +278,58 @@ class CudaGraphs:
             return plan
         return self._plan_of_run
 
-    def _plan_for(self, x: Any, args: tuple, kwargs: dict) -> Union[str, tuple]:
+    def _plan_for(self, x: Any, args: tuple, kwargs: dict) -> Union[Eager, Variant]:
         if args or not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[0] != 1:
-            return "not one padding-free row"
+            return Eager("not one padding-free row")
         run = kwargs.get("nbkit_run")
         if not isinstance(run, PackedRun):
-            return "no packed metadata (cached_packing off)"
+            return Eager("no packed metadata (cached_packing off)")
         if self.backend.device_type == "cuda" and run.kernel not in _FUSED_KERNELS:
-            return "attention kernel without static shapes (not varlen / flash_attn)"
+            return Eager("attention kernel without static shapes (not varlen / flash_attn)")
         if any(kwargs.get(k) is not None for k in _NONE_KWARGS) or kwargs.get("use_cache"):
-            return "a mask or KV cache argument"
+            return Eager("a mask or KV cache argument")
         pe = kwargs.get("position_embeddings")
         if not (isinstance(pe, tuple) and len(pe) == 2 and all(isinstance(t, torch.Tensor) and t.dim() == 3
                                                                and t.shape[1] == x.shape[1] for t in pe)):
-            return "no (cos, sin) position embeddings of the row's length"
+            return Eager("no (cos, sin) position embeddings of the row's length")
         for key, value in kwargs.items():
-            if not isinstance(value, torch.Tensor) or key in ("cu_seq_lens_q", "cu_seq_lens_k", *_DROPPED_KWARGS):
+            if not isinstance(value, torch.Tensor) or key in ("cu_seq_lens_q", "cu_seq_lens_k", *DROPPED_KWARGS):
                 continue
             if key not in TOKENWISE_KWARGS or value.shape[-1] != x.shape[1]:
-                return f"a tensor argument the graph cannot take ({key})"
+                return Eager(f"a tensor argument the graph cannot take ({key})")
         bucket = bucket_for(x.shape[1], self.max_tokens)
         if bucket is None:
-            return f"more than {self.max_tokens} tokens"
+            return Eager(f"more than {self.max_tokens} tokens")
         if run.cu_q.numel() - 1 > doc_capacity(bucket):
-            return "more documents than the bucket holds"
+            return Eager("more documents than the bucket holds")
         constants = tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int, float, str))
                                  and k not in ("max_length_q", "max_length_k")))
         autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
         tokenwise = tuple(k for k in TOKENWISE_KWARGS if kwargs.get(k) is not None)
-        return (bucket, autocast, constants, tokenwise)
+        return Variant(bucket, autocast, constants, tokenwise)
 
-    def _graphs_for(self, index: int, variant: tuple, x: torch.Tensor, kwargs: dict) -> Any:
-        """This layer's graphs for the forward's variant (captured now, from this layer on, if new); a reason string
-        when it has none."""
+    def _graphs_for(self, index: int, variant: Variant, x: torch.Tensor, kwargs: dict) -> Union[GraphedLayer, Eager]:
+        """This layer's graphs for the forward's variant (captured now, from this layer on, if new), or why it has
+        none."""
         entry = self._graphs.get((index, variant))
-        if entry is None or entry == CHECKPOINTED:  # new, or un-checkpointed since its bucket's capture
+        if entry is None or _recapture(entry):  # new, or un-checkpointed since its bucket's capture
             if self._captures >= MAX_CAPTURES:
-                return "too many captures"
+                return TOO_MANY_CAPTURES
             self._capture(index, variant, x, kwargs)
             entry = self._graphs[(index, variant)]
         return entry
 
-    def _capture(self, first: int, variant: tuple, x: torch.Tensor, kwargs: dict) -> None:
+    def _capture(self, first: int, variant: Variant, x: torch.Tensor, kwargs: dict) -> None:
         """Capture one variant's graphs for every eligible layer from ``first`` on that has none yet: all forwards
         in layer order, then all backwards in reverse, the order they replay in, so the captures of one call share
         one memory pool (each call its own: a layer captured later replays between the others), and each backward
         before any replay has written the static inputs autograd saved."""
         self._captures += 1
         pool = self.backend.pool()
-        bucket = variant[0]
+        bucket = variant.bucket
         shared = self._shared.get(bucket)
         if shared is None:
-            shared = self._shared[bucket] = _Shared(bucket, kwargs["nbkit_run"].kernel, x.device)
+            shared = self._shared[bucket] = BucketMetadata(bucket, kwargs["nbkit_run"].kernel, x.device)
         shared.load(x.shape[1], kwargs, rope_key(self._layers[first]))
         captured: list[GraphedLayer] = []
         attempted: list[int] = []
@@ -404,22 +337,21 @@ class CudaGraphs:
         try:
             for i in range(first, len(self._layers)):
                 layer, entry = self._layers[i], self._graphs.get((i, variant))
-                if entry is not None and entry != CHECKPOINTED:  # captured, or a lasting reason
+                if entry is not None and not _recapture(entry):  # captured, or a lasting reason
                     x_grad = True
                     continue
-                memory = None
+                why: Optional[Eager] = None
                 if getattr(layer, "gradient_checkpointing", False):
                     why = CHECKPOINTED
                 elif _hooked(layer):
                     why = HOOKED
                     self._say(f"hooks{i}", f"layer {i} runs eagerly: a module inside it has hooks (they would run "
                               "at the capture only)")
-                else:
-                    why = memory = self._memory_problem(x.device)
-                if why:
+                elif (memory := self._memory_problem(x.device)) is not None:
+                    why = Eager(memory, Kind.LASTING)
+                    self._say(f"mem{bucket}", f"layer {i} and later run eagerly at {bucket} tokens: {memory}")
+                if why is not None:
                     self._graphs[(i, variant)] = why
-                    if memory:
-                        self._say(f"mem{bucket}", f"layer {i} and later run eagerly at {bucket} tokens: {memory}")
                     x_grad = True  # an eager layer's output: it needs grad when anything before it trains
                     continue
                 attempted.append(i)
@@ -428,10 +360,10 @@ class CudaGraphs:
                 graphs = GraphedLayer(layer, self._originals[i], shared.grad_out, x_grad,
                                       shared.static_kwargs(kwargs, rope_key(layer)), shared.grad_out, self.backend,
                                       pool, label=f"decoder layer {i}")
-                before = torch.cuda.memory_allocated(x.device) if x.is_cuda else 0
+                before = gpu_in_use(x.device)
                 graphs.capture_forward()
                 if x.is_cuda:  # what the forward's graph keeps, twice: the backward's graph comes on top
-                    self._layer_bytes = max(self._layer_bytes or 0, 2 * (torch.cuda.memory_allocated(x.device) - before))
+                    self._layer_bytes = max(self._layer_bytes or 0, 2 * (gpu_in_use(x.device) - before))
                 captured.append(graphs)
                 x_grad = x_grad or bool(graphs.trainable)
             for graphs in reversed(captured):
@@ -462,7 +394,3 @@ class CudaGraphs:
                     f"~{self._layer_bytes / 2**30:.2f} GiB and {headroom / 2**30:.1f} GiB stay free for the step)")
         return None
 
-    def _say(self, key: str, msg: str, level: int = logging.WARNING) -> None:
-        if key not in self._said:
-            self._said.add(key)
-            logger.log(level, "nbkit cuda_graphs: %s", msg)

@@ -27,7 +27,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch import nn
 
-from .ledger import PatchLedger, unwrap_model
+from ..model_parts import unwrap_model
+from .ledger import PatchLedger
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,9 @@
 """The contract every nbkit speedup follows, and the one ledger through which it changes anything.
 
-A speedup is an object the trainer owns. ``attach(model)`` installs it on one model and returns whether it is active
-(``False``: the plain path is kept and the reason was said once, by name). ``detach()`` leaves the model, its
-modules and every module-level function exactly as found, and is safe to call twice or without an attach.
+A speedup is an object the trainer owns. ``attach(target)`` installs it on one model (stages "model" and "train")
+or one trainer (stage "trainer": its step's loss, clip or FLOPs count) and returns whether it is active (``False``:
+the plain path is kept and the reason was said once, by name). ``detach()`` leaves the target (a trainer's model
+too), its modules and every module-level function exactly as found, and is safe to call twice or without an attach.
 
 What a speedup may touch is written here once: every change to an object it does not own goes through its
 ``PatchLedger`` (an attribute set, a hook added, a setting switched), and ``detach`` undoes the ledger in reverse
@@ -16,8 +17,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Protocol, runtime_checkable
 
-import torch
-
 logger = logging.getLogger("nbkit")
 
 _MISSING = object()
@@ -27,8 +26,9 @@ _MISSING = object()
 class Speedup(Protocol):
     name: str
 
-    def attach(self, model: torch.nn.Module) -> bool:
-        """Install on ``model``; return whether it is active (False: plain path kept, reason already logged)."""
+    def attach(self, target: Any) -> bool:
+        """Install on ``target`` (a model, or a trainer for stage "trainer"); return whether it is active (False:
+        plain path kept, reason already logged)."""
 
     def detach(self) -> None:
         """Undo ``attach``; safe to call twice or without a prior attach."""
@@ -85,17 +85,3 @@ class PatchLedger:
         while self._undo:
             _, restore = self._undo.pop()
             restore()
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers ``PreTrainedModel`` under PEFT / accelerate wrappers (the one that owns ``config``)."""
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        if hasattr(model, "get_base_model") and callable(model.get_base_model):  # PEFT
-            model = model.get_base_model()
-        elif hasattr(model, "module") and isinstance(model.module, torch.nn.Module):  # DDP / accelerate
-            model = model.module
-        elif hasattr(model, "_orig_mod"):  # torch.compile
-            model = model._orig_mod
-    return model

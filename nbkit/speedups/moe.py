@@ -36,10 +36,11 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..model_parts import unwrap_model
 from ..ops import moe_gates, moe_routing
 from ..ops.moe_gates import gate_activation
 from ..ops.moe_routing import add_lora, combine, dispatch, experts_linear, route
-from .ledger import PatchLedger, unwrap_model
+from .ledger import PatchLedger
 
 logger = logging.getLogger(__name__)
 

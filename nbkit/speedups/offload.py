@@ -44,9 +44,12 @@ from typing import Any, Callable, Literal, Optional, Union
 import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from ..memory import shares_host_memory
+from ..model_parts import is_decoder_layer, unwrap_model
 from ..ops.offload_lanes import OffloadStats, _Lane, _Packed
+from ..say_once import SayOnce
 from ..settings import check_value
-from .ledger import PatchLedger, unwrap_model
+from .ledger import PatchLedger
 
 logger = logging.getLogger(__name__)
 
@@ -141,11 +144,7 @@ def _unpack(obj: Any) -> torch.Tensor:
 
 
 def _is_layer(module: torch.nn.Module) -> bool:
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:  # older transformers: count every checkpointed module
-        return True
-    return isinstance(module, GradientCheckpointingLayer)
+    return is_decoder_layer(module) is not False  # a transformers without the layer class: every checkpointed module
 
 
 def _checkpoint_kwargs(func: Callable) -> Optional[dict]:
@@ -193,7 +192,7 @@ class OffloadedCheckpointing:
         self._ledger = PatchLedger(self.name)
         self._lanes: dict[torch.device, _Lane] = {}
         self._decided: Optional[bool] = None if mode == "auto" else bool(mode)
-        self._said: set[str] = set()
+        self._say = SayOnce(logger, "nbkit offload")
 
     @property
     def active(self) -> bool:
@@ -264,7 +263,7 @@ class OffloadedCheckpointing:
         device = param.device if param is not None else torch.device("cpu")
         if device.type != "cuda":
             return f"model on {device.type}; 'auto' offloads only from CUDA GPUs"
-        if torch.cuda.get_device_properties(device).is_integrated:
+        if shares_host_memory(device):
             return "integrated GPU shares host memory; nothing to gain"
         return None
 
@@ -276,7 +275,7 @@ class OffloadedCheckpointing:
             return None
         if self._decided is None:  # 'auto', first training step
             nbytes = x.numel() * x.element_size()
-            integrated = x.is_cuda and torch.cuda.get_device_properties(x.device).is_integrated
+            integrated = shares_host_memory(x.device)
             self._decided = x.is_cuda and not integrated and nbytes >= self.min_bytes
             self._say("decide", f"{'on' if self._decided else 'off'}: one layer input is {nbytes / _MiB:.1f} MiB on "
                       f"{x.device} (threshold {self.min_bytes / _MiB:.0f} MiB)", logging.INFO)
@@ -290,10 +289,6 @@ class OffloadedCheckpointing:
             return None
         return lane, x
 
-    def _say(self, key: str, msg: str, level: int = logging.WARNING) -> None:
-        if key not in self._said:
-            self._said.add(key)
-            logger.log(level, "nbkit offload: %s", msg)
 
     def _trace(self, kind: str, layer: str, detail: str) -> None:
         if self.trace is not None:

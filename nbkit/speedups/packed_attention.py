@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 from transformers import AttentionInterface
 
+from ..model_parts import unwrap_model
 from ..ops.packed_boundaries import metadata_from_lengths, metadata_from_position_ids
 from ..ops.reference_attention import AttnCall
 from ..ops.sink_attention import sink_kernel_works
@@ -44,7 +45,7 @@ from ..ops.varlen_attention import (
     varlen_available,
 )
 from ..settings import check_value
-from .ledger import PatchLedger, unwrap_model
+from .ledger import PatchLedger
 
 logger = logging.getLogger(__name__)
 

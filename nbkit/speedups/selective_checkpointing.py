@@ -51,10 +51,11 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 
-from ..memory import fmt_bytes
+from ..memory import fmt_bytes, gpu_in_use, memory_readings
+from ..model_parts import decoder_layers, unwrap_model
+from ..say_once import SayOnce
 from ..settings import check_value
-from .ledger import PatchLedger, unwrap_model
-from .tiled_mlp import gpu_limit
+from .ledger import PatchLedger
 
 logger = logging.getLogger(__name__)
 
@@ -72,19 +73,6 @@ def layers_to_keep(saved_bytes: list[int], budget: int) -> int:
             break
         total, n = total + size, n + 1
     return n
-
-
-def memory_readings(device: torch.device) -> Optional[tuple[int, int, int]]:
-    """(limit, peak allocated, allocated now) bytes on a CUDA device; None off CUDA. The limit is the most this
-    process can reach: its per-process fraction of the GPU, and no more than what its allocator holds plus what the
-    device has free (another process on the same GPU, the CUDA context and non-torch allocations are not ours).
-    The allocator's counters are host-side; the device's free memory is one driver query (no stream sync)."""
-    limit = gpu_limit(device)
-    if limit is None:
-        return None
-    free, _ = torch.cuda.mem_get_info(device)
-    limit = min(limit, torch.cuda.memory_reserved(device) + free)
-    return limit, torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
@@ -167,7 +155,7 @@ class SelectiveCheckpointing:
         check_value("selective_checkpointing", mode)
         self.mode, self.max_tokens = mode, max_tokens
         self._ledger = PatchLedger(self.name)
-        self._said: set[str] = set()
+        self._say = SayOnce(logger, "nbkit selective_checkpointing")
         self._reset()
 
     def _reset(self) -> None:
@@ -193,14 +181,13 @@ class SelectiveCheckpointing:
         if self.mode is False:
             self._say("off", "off (selective_checkpointing=False)", logging.INFO)
             return False
-        try:
-            from transformers.modeling_layers import GradientCheckpointingLayer
-        except ImportError:
+        found = decoder_layers(model)
+        if found is None:
             self._say("old", "this transformers has no per-layer checkpointing flag; stays off")
             return False
         base = unwrap_model(model)
-        layers = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)
-                  and m.gradient_checkpointing is True and callable(getattr(m, "_gradient_checkpointing_func", None))]
+        layers = [m for m in found
+                  if m.gradient_checkpointing is True and callable(getattr(m, "_gradient_checkpointing_func", None))]
         if not layers:
             self._say("nogc", f"no checkpointed layer in {type(base).__name__}; nothing to do", logging.INFO)
             return False
@@ -232,7 +219,7 @@ class SelectiveCheckpointing:
     # ------------------------------------------------------------------------------------------------------ policy
     def _first_call(self, index: int, tokens: Optional[int]) -> None:
         if not self._tokens and self._device.type == "cuda":
-            self._allocated_at_start = torch.cuda.memory_allocated(self._device)
+            self._allocated_at_start = gpu_in_use(self._device)
         self._tokens[index] = tokens or 0
 
     def _decide(self) -> None:
@@ -268,7 +255,3 @@ class SelectiveCheckpointing:
                   f"({'scaled as tokens squared: eager attention; ' if self._quadratic else ''}{sized})",
                   logging.INFO)
 
-    def _say(self, key: str, msg: str, level: int = logging.WARNING) -> None:
-        if key not in self._said:
-            self._said.add(key)
-            logger.log(level, "nbkit selective_checkpointing: %s", msg)

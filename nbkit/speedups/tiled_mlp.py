@@ -31,8 +31,10 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from ..memory import gpu_in_use, gpu_limit
+from ..model_parts import unwrap_model
 from ..ops.tiled_mlp import tiled_mlp
-from .ledger import PatchLedger, unwrap_model
+from .ledger import PatchLedger
 
 logger = logging.getLogger(__name__)
 
@@ -51,22 +53,6 @@ def needs_tiles(tokens: int, intermediate: int, elem_bytes: int, limit: int, in_
     ``in_use`` (bytes held by tensors) is read only for calls whose MLP counts."""
     need = WORKING_SET * tokens * intermediate * elem_bytes
     return need >= COUNTS_FROM * limit and in_use() + need > FILL * limit
-
-
-def gpu_limit(device: torch.device) -> Optional[int]:
-    """Bytes this process may use on a CUDA device (its per-process fraction applied); None off CUDA."""
-    if device.type != "cuda":
-        return None
-    if device.index is None:  # torch's per-process fraction needs an index
-        device = torch.device("cuda", torch.cuda.current_device())
-    limit = torch.cuda.get_device_properties(device).total_memory
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    return int(limit * fraction(device)) if fraction is not None else limit
-
-
-def gpu_in_use(device: torch.device) -> int:
-    """Bytes held by tensors on ``device``: the caching allocator's host-side counter (no sync)."""
-    return torch.cuda.memory_allocated(device)
 
 
 def _tiled_forward(forward: Callable[[torch.Tensor], torch.Tensor], module: nn.Module,

@@ -123,7 +123,7 @@ def test_auto_trains_as_plain_checkpointing_on_a_4bit_base(tmp_path):
 def test_a_per_process_cap_is_honoured(tmp_path, monkeypatch):
     """The limit is the per-process fraction of the GPU; one that leaves no room (faked, so the run itself cannot hit
     it) keeps every layer checkpointed."""
-    from nbkit.speedups.tiled_mlp import gpu_limit
+    from nbkit.memory import gpu_limit
 
     device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
@@ -182,7 +182,7 @@ def test_the_measure_matches_the_memory_an_unchecked_layer_holds():
 def test_the_limit_counts_what_other_processes_hold():
     """The limit never exceeds what the allocator holds plus the device's free memory (the CUDA context alone,
     ~0.5 GiB, is outside the allocator)."""
-    from nbkit.speedups.selective_checkpointing import memory_readings
+    from nbkit.memory import memory_readings
 
     device = torch.device("cuda", torch.cuda.current_device())
     limit, peak, allocated = memory_readings(device)

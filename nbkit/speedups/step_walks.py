@@ -18,8 +18,10 @@ trainable parameters (``requires_grad`` at the first clip, after the first backw
 are the only ones autograd gives a gradient,
 and ``clip_grad_norm_`` / ``zero_grad`` skip parameters without one. Only where accelerate clips by a plain
 ``torch.nn.utils.clip_grad_norm_`` (one process, or DDP); FSDP, DeepSpeed, XLA, SageMaker and mixed-mesh setups keep
-transformers' own path. ``zero_grad`` and ``train`` are replaced on the trained model (instance attributes) for the
-duration of ``train()`` only; modules added to the model during a run are not in the list (none is, by nbkit).
+transformers' own path. Attached to the trainer (``stage="trainer"``) for a ``train()`` or ``evaluate()`` call:
+``zero_grad`` and ``train`` are set on the trained model and ``_clip_grad_norm`` on the trainer (instance
+attributes, through the ledger; the classes' own are the fallback) and removed by ``detach``; modules added to the
+model during a run are not in the list (none is, by nbkit).
 """
 
 from __future__ import annotations
@@ -28,59 +30,67 @@ from typing import Any
 
 import torch
 
+from .ledger import PatchLedger
+
 _PLAIN_CLIP = ("NO", "MULTI_GPU", "MULTI_CPU")
 
 
 class CachedTrainableWalks:
-    """Trainer mixin: gradient clip and ``zero_grad`` over the trainable parameters, listed once per ``train()``."""
+    """Gradient clip and ``zero_grad`` over the trainable parameters, listed once per attach; ``model.train`` flat."""
 
-    _nbkit_trainable: list[torch.nn.Parameter] | None = None
+    name = "step_walks"
 
-    def train(self, *args: Any, **kwargs: Any):
-        model = self.model
-        self._nbkit_trainable = None
-        ours = None
-        if isinstance(model, torch.nn.Module) and "zero_grad" not in vars(model):
+    def __init__(self) -> None:
+        self._ledger = PatchLedger(self.name)
+        self.trainable: list[torch.nn.Parameter] | None = None
 
-            def zero_grad(set_to_none: bool = True) -> None:
-                params = self._nbkit_trainable
-                if params is None:  # before the first clip: speedups attached at train begin may add parameters
-                    torch.nn.Module.zero_grad(model, set_to_none)
-                elif set_to_none:
-                    for p in params:
-                        p.grad = None
-                else:
-                    for p in params:
-                        if p.grad is not None:
-                            p.grad.detach_().zero_()
-
-            ours = zero_grad
-            model.zero_grad = ours  # instance attribute: shadows Module.zero_grad on this model only
-        flat = _flat_train(model) if isinstance(model, torch.nn.Module) and "train" not in vars(model) else None
+    def attach(self, trainer: Any) -> bool:
+        self.detach()
+        model = trainer.model
+        if not isinstance(model, torch.nn.Module):
+            return False
+        if "zero_grad" not in vars(model):
+            self._ledger.set(model, "zero_grad", self._zero_grad(model))
+        flat = _flat_train(model) if "train" not in vars(model) else None
         if flat is not None:
-            model.train = flat
-        try:
-            return super().train(*args, **kwargs)
-        finally:
-            if ours is not None and vars(model).get("zero_grad") is ours:
-                del model.zero_grad
-            if flat is not None and vars(model).get("train") is flat:
-                del model.train
-            self._nbkit_trainable = None
+            self._ledger.set(model, "train", flat)
+        own_clip = trainer._clip_grad_norm
+
+        def clip_grad_norm(model: torch.nn.Module) -> Any:
+            accelerator = getattr(trainer, "accelerator", None)
+            kind = getattr(getattr(accelerator, "distributed_type", None), "name", None)
+            mixed = getattr(trainer, "_has_mixed_mesh_grads", None)
+            if (kind not in _PLAIN_CLIP or getattr(trainer.args, "fp16", False) and _sagemaker_mp()
+                    or (mixed is not None and mixed(model))):
+                return own_clip(model)
+            return accelerator.clip_grad_norm_(self._trainable_params(model), trainer.args.max_grad_norm)
+
+        self._ledger.set(trainer, "_clip_grad_norm", clip_grad_norm)
+        return True
+
+    def detach(self) -> None:
+        self._ledger.undo()
+        self.trainable = None
+
+    def _zero_grad(self, model: torch.nn.Module) -> Any:
+        def zero_grad(set_to_none: bool = True) -> None:
+            params = self.trainable
+            if params is None:  # before the first clip: speedups attached at train begin may add parameters
+                torch.nn.Module.zero_grad(model, set_to_none)
+            elif set_to_none:
+                for p in params:
+                    p.grad = None
+            else:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.detach_().zero_()
+
+        return zero_grad
 
     def _trainable_params(self, model: torch.nn.Module) -> list[torch.nn.Parameter]:
-        if self._nbkit_trainable is None:
-            self._nbkit_trainable = [p for p in model.parameters() if p.requires_grad]
-        return self._nbkit_trainable
-
-    def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
-        accelerator = getattr(self, "accelerator", None)
-        kind = getattr(getattr(accelerator, "distributed_type", None), "name", None)
-        mixed = getattr(self, "_has_mixed_mesh_grads", None)
-        if (kind not in _PLAIN_CLIP or getattr(self.args, "fp16", False) and _sagemaker_mp()
-                or (mixed is not None and mixed(model))):
-            return super()._clip_grad_norm(model)
-        return accelerator.clip_grad_norm_(self._trainable_params(model), self.args.max_grad_norm)
+        if self.trainable is None:
+            self.trainable = [p for p in model.parameters() if p.requires_grad]
+        return self.trainable
 
 
 def _no_op_when_unchanged() -> tuple:
