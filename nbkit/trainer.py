@@ -194,9 +194,11 @@ class FastSFT(ReliableTraining, SFTTrainer):
 
     @property
     def active_speedups(self) -> list[str]:
-        """Names of the speedups attached right now and not disengaged by their own first-step decision."""
+        """Names of the switched speedups attached right now and not disengaged by their own first-step decision (the
+        always-on ones, ``speedups.ALWAYS_ON``, are not a choice and not listed)."""
         return [f"{s.name}({s.kernel})" if getattr(s, "kernel", None) else s.name
-                for s in self._speedups + self._train_stage.attached if getattr(s, "engaged", True)]
+                for s in self._speedups + self._train_stage.attached
+                if getattr(s, "engaged", True) and s.name not in speedups.ALWAYS_ON]
 
     @contextlib.contextmanager
     def _trl_router_setting(self) -> Iterator[None]:

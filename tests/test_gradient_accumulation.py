@@ -11,48 +11,30 @@ shape), bf16 3e-2 (bf16 autocast rounds each micro-batch's activations and gradi
 from __future__ import annotations
 
 import pytest
-import torch
-from peft import LoraConfig
+from parity import Tol, assert_same_series, assert_same_tensors, fast_sft, lora_config, train
 
-from nbkit import FastSFT, FastSFTConfig
 from nbkit.demo.data import make_dataset
-from nbkit.demo.models import tiny_model
-from nbkit.demo.tokenizer import load_demo_tokenizer
 
 
 def train_lora(tmp_path, batch: int, accumulation: int, device: str = "cpu", dtype: str = "fp32"):
-    """Two SGD steps of FastSFT (packing, LoRA r4): the logged losses and the trainable weights after them."""
-    tok = load_demo_tokenizer()
-    model = tiny_model("qwen3", len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
-    args = FastSFTConfig(
-        output_dir=str(tmp_path / f"b{batch}a{accumulation}"), max_steps=2, per_device_train_batch_size=batch,
-        gradient_accumulation_steps=accumulation, learning_rate=1e-3, logging_steps=1, report_to=[],
-        save_strategy="no", use_cpu=device == "cpu", bf16=dtype == "bf16", seed=0, packing=True, max_length=96,
-        shuffle_dataset=False, dataloader_num_workers=0, disable_tqdm=True, live_dashboard=False,
-        gradient_checkpointing=False,
+    """Two SGD steps of FastSFT (packing, LoRA r4): the run's logged losses and trainable weights after them."""
+    trainer = fast_sft(
+        tmp_path / f"b{batch}a{accumulation}", max_steps=2, per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation, use_cpu=device == "cpu", bf16=dtype == "bf16",
+        shuffle_dataset=False, gradient_checkpointing=False,
         optim="sgd",  # Adam divides by sqrt(v): for LoRA A, whose first gradients are 0, it scales rounding up
-    )
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
-    torch.manual_seed(0)
-    trainer = FastSFT(model=model, args=args, train_dataset=make_dataset("messages", n=96), processing_class=tok,
-                      peft_config=lora)
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    weights = {n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    return losses, weights
+        dataset=make_dataset("messages", n=96), lora=lora_config(targets=["q_proj", "v_proj", "down_proj"]))
+    return train(trainer)
 
 
 def assert_same_training(tmp_path, tolerance: float, **where) -> dict[str, float]:
     """GA x4 of 1 row against 1 batch of 4 rows; returns the largest relative weight error per parameter."""
-    losses_acc, weights_acc = train_lora(tmp_path, batch=1, accumulation=4, **where)
-    losses_big, weights_big = train_lora(tmp_path, batch=4, accumulation=1, **where)
-    assert losses_acc == pytest.approx(losses_big, rel=tolerance) and len(losses_acc) == 2, (losses_acc, losses_big)
-    assert any("lora_B" in n and w.abs().max() > 0 for n, w in weights_big.items()), "training moved nothing"
-    errors = {}
-    for name, w in weights_big.items():
-        errors[name] = float((weights_acc[name] - w).abs().max() / w.abs().max().clamp_min(1e-12))
-        assert errors[name] <= tolerance, (name, errors[name])
-    return errors
+    acc = train_lora(tmp_path, batch=1, accumulation=4, **where)
+    big = train_lora(tmp_path, batch=4, accumulation=1, **where)
+    assert_same_series(acc.losses, big.losses, Tol(rtol=tolerance))
+    assert len(acc.losses) == 2
+    assert any("lora_B" in n and w.abs().max() > 0 for n, w in big.weights.items()), "training moved nothing"
+    return assert_same_tensors(acc.weights, big.weights, Tol(scaled=tolerance), where="weight after 2 steps")
 
 
 def test_accumulating_four_micro_batches_equals_one_batch_four_times_larger(tmp_path, one_thread):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from parity import Tol, add_lora, assert_same_series, assert_same_tensors, fast_sft, lora_config, train
 from torch import nn
 
 from nbkit.speedups.fused_lora import FusedLoRA, why_not_fusable
@@ -28,14 +28,12 @@ class _Block(nn.Module):
 
 def _peft(seed: int = 0, **lora_kw) -> nn.Module:
     torch.manual_seed(seed)
-    model = get_peft_model(_Block(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], **lora_kw))
-    for name, p in model.named_parameters():
-        if "lora_B" in name:  # PEFT starts B at zero; a non-zero B makes every gradient path count
-            nn.init.normal_(p, std=0.5)
-    return model
+    # PEFT starts B at zero; a non-zero B makes every gradient path count
+    return add_lora(_Block(), targets=["q_proj", "o_proj"], seed=seed, random_b=0.5, **lora_kw)
 
 
-def _run(model: nn.Module, x: torch.Tensor, fused: bool, autocast: bool = False) -> list[torch.Tensor]:
+def _run(model: nn.Module, x: torch.Tensor, fused: bool, autocast: bool = False) -> dict[str, torch.Tensor]:
+    """The output, the input's gradient and every LoRA gradient of one forward and backward."""
     speedup = FusedLoRA()
     if fused:
         assert speedup.attach(model), speedup.skipped
@@ -47,12 +45,8 @@ def _run(model: nn.Module, x: torch.Tensor, fused: bool, autocast: bool = False)
         (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
     finally:
         speedup.detach()
-    grads = [p.grad.clone() for _, p in sorted(model.named_parameters()) if p.requires_grad]
-    return [y.detach().float(), x.grad] + grads
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {"output": y.detach().float(), "input grad": x.grad, **grads}
 
 
 def test_fp32_equal_to_peft(one_thread):
@@ -60,15 +54,13 @@ def test_fp32_equal_to_peft(one_thread):
     x = torch.randn(3, 7, 32)
     plain, fused = _run(model, x, False), _run(model, x, True)
     assert len(plain) == 2 + 4  # output, input grad, A and B of both layers
-    for a, b in zip(fused, plain):
-        assert _rel(a, b) <= 1e-6
+    assert_same_tensors(fused, plain, Tol(scaled=1e-6))
 
 
 def test_bf16_autocast_close_to_peft(one_thread):
     model = _peft()
     x = torch.randn(4, 16, 32)
-    for a, b in zip(_run(model, x, True, autocast=True), _run(model, x, False, autocast=True)):
-        assert _rel(a, b) <= 3e-2
+    assert_same_tensors(_run(model, x, True, autocast=True), _run(model, x, False, autocast=True), Tol(scaled=3e-2))
 
 
 def test_detach_restores_peft_forward_and_disabled_adapters_fall_back(one_thread):
@@ -108,15 +100,10 @@ def test_4bit_base_matches_peft(one_thread):
                                      compress_statistics=True, module=q)
         setattr(block, name, q.to("cpu"))  # .to() quantizes the weight (nothing does it on first use)
         assert getattr(block, name).weight.quant_state is not None
-    model = get_peft_model(block, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"]))
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            nn.init.normal_(p, std=0.5)
+    model = add_lora(block, targets=["q_proj", "o_proj"], random_b=0.5)
     assert why_not_fusable(model.base_model.model.q_proj) is None
     x = torch.randn(3, 5, 32)
-    plain, fused = _run(model, x, False), _run(model, x, True)
-    for a, b in zip(fused, plain):
-        assert _rel(a, b) <= 1e-5
+    assert_same_tensors(_run(model, x, True), _run(model, x, False), Tol(scaled=1e-5))
 
 
 def test_checkpoint_recompute_skips_the_final_base_gemm(one_thread, monkeypatch):
@@ -153,7 +140,7 @@ def test_checkpoint_recompute_skips_the_final_base_gemm(one_thread, monkeypatch)
             (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
         finally:
             speedup.detach()
-        return [xi.grad] + [p.grad.clone() for _, p in sorted(model.named_parameters()) if p.requires_grad]
+        return {"input grad": xi.grad, **{n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}}
 
     plain = grads(False)
     fused = grads(True)
@@ -161,39 +148,28 @@ def test_checkpoint_recompute_skips_the_final_base_gemm(one_thread, monkeypatch)
     calls.clear()
     no_early = grads(True, early_stop=False)
     assert calls == {48: 3, 32: 3}  # without early stop the recompute runs the whole block
-    for a, b, c in zip(fused, no_early, plain):
-        assert _rel(a, c) <= 1e-6 and _rel(b, c) <= 1e-6
+    assert_same_tensors(fused, plain, Tol(scaled=1e-6), where="early stop")
+    assert_same_tensors(no_early, plain, Tol(scaled=1e-6), where="no early stop")
 
 
 def test_fastsft_losses_unchanged(tmp_path, one_thread):
-    from peft import LoraConfig as LC
-
-    from nbkit import FastSFT, FastSFTConfig
     from nbkit.demo.data import make_dataset
-    from nbkit.demo.models import tiny_model
-    from nbkit.demo.tokenizer import load_demo_tokenizer
 
-    tok = load_demo_tokenizer()
     data = make_dataset("messages", n=64, split="train", seed=0)
 
     def run(fused: bool):
-        model = tiny_model("qwen3", len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-        args = FastSFTConfig(output_dir=str(tmp_path / str(fused)), max_steps=3, per_device_train_batch_size=4,
-                             learning_rate=3e-3, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
-                             seed=0, max_length=128, packing=True, gradient_checkpointing=True, disable_tqdm=True,
-                             live_dashboard=False, fused_lora=fused)
-        trainer = FastSFT(model=model, args=args, train_dataset=data, processing_class=tok,
-                          peft_config=LC(r=8, lora_alpha=16, target_modules="all-linear"))
-        trainer.train()
+        trainer = fast_sft(tmp_path / str(fused), dataset=data, max_steps=3, per_device_train_batch_size=4,
+                           learning_rate=3e-3, max_length=128, gradient_checkpointing=True, fused_lora=fused,
+                           lora=lora_config(r=8))
+        losses = train(trainer).losses
         layer = trainer.model.base_model.model.model.layers[0].self_attn.q_proj
         assert "forward" not in layer.__dict__  # detached after train()
-        return trainer.nbkit_attached, [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return trainer.nbkit_attached, losses
 
     attached, fused = run(True)
     _, plain = run(False)
     assert "fused_lora" in attached
     assert len(fused) == 3
-    assert abs(fused[0] - plain[0]) <= 1e-6 * abs(plain[0])  # before any update: the same forward
-    for a, b in zip(fused[1:], plain[1:]):
-        # after Adam steps: fp32 rounding of gradients that start at ~0 (LoRA B = 0) is normalized up by Adam
-        assert abs(a - b) <= 1e-4 * abs(b)
+    assert_same_series(fused[:1], plain[:1], Tol(rtol=1e-6))  # before any update: the same forward
+    # after Adam steps: fp32 rounding of gradients that start at ~0 (LoRA B = 0) is normalized up by Adam
+    assert_same_series(fused[1:], plain[1:], Tol(rtol=1e-4))

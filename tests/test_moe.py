@@ -17,6 +17,7 @@ import textwrap
 
 import pytest
 import torch
+from parity import Tol, add_lora, assert_same_run, run_steps
 from torch import nn
 from torch.nn.utils import parametrize
 from transformers import (
@@ -37,6 +38,7 @@ from nbkit.speedups.moe import FastMoERouting
 torch.set_num_threads(min(2, torch.get_num_threads()))
 FAMILIES = ["gpt_oss", "qwen3_moe", "mixtral"]
 TOL = dict(rtol=1e-4, atol=1e-5)
+MODEL_TOL = Tol(**TOL)
 E, H, INTER = 8, 16, 24
 
 
@@ -200,16 +202,12 @@ def test_no_tokens():
 
 
 def _loss_and_grads(model, ids):
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    loss = model(input_ids=ids, labels=ids).loss
-    return loss, dict(zip([n for n, _ in params], _grads(loss, [p for _, p in params])))
+    """The language-model loss of ``ids`` and the gradient of every trainable parameter."""
+    return run_steps(model, [dict(input_ids=ids, labels=ids)])
 
 
 def _assert_model_same(ref, got):
-    torch.testing.assert_close(got[0], ref[0], **TOL)
-    assert ref[1].keys() == got[1].keys()
-    for name in ref[1]:
-        torch.testing.assert_close(got[1][name], ref[1][name], **TOL, msg=name)
+    assert_same_run(got, ref, losses=MODEL_TOL, grads=MODEL_TOL)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -228,17 +226,10 @@ def test_whole_model_full_finetune(family):
 
 
 def _peft_model(family, r=4):
-    from peft import LoraConfig, get_peft_model
-
-    model = _model(family)
     up = "mlp.experts.gate_up_proj" if family == "gpt_oss" else "experts.gate_up_proj"
     down = up.replace("gate_up_proj", "down_proj")
-    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj"], target_parameters=[up, down])
-    peft_model = get_peft_model(model, config)
-    for name, p in peft_model.named_parameters():
-        if "lora_B" in name:  # PEFT starts B at zero; make the adapters matter
-            torch.nn.init.normal_(p, std=0.3)
-    return peft_model
+    # PEFT starts B at zero; random_b makes the adapters matter
+    return add_lora(_model(family), r, targets=["q_proj"], target_parameters=[up, down], random_b=0.3)
 
 
 class _CountParametrizations:
@@ -271,7 +262,7 @@ def test_lora_on_experts_matches_peft(family, backend, monkeypatch):
         got = _loss_and_grads(peft_model, ids)
         assert counter.calls == 0  # nbkit never forms W + BA
         _assert_model_same(ref, got)
-        assert any("experts" in n and "lora_A" in n for n in got[1])
+        assert any("experts" in n and "lora_A" in n for n in got.grads[0])
         with peft_model.disable_adapter():  # disabled adapters: the base experts only, as PEFT computes
             base = peft_model(input_ids=ids).logits
         fm.detach()
@@ -297,13 +288,8 @@ def test_lora_rank_not_multiple_of_8_grouped():
 
 def test_lora_on_a_bias_stays_on_peft(caplog):
     """LoRA on a tensor nbkit does not compute (a bias) keeps PEFT's path for that module: said once, same numbers."""
-    from peft import LoraConfig, get_peft_model
-
-    peft_model = get_peft_model(_model("gpt_oss"), LoraConfig(
-        r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj_bias"]))
-    for name, p in peft_model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.3)
+    peft_model = add_lora(_model("gpt_oss"), 4, targets=["q_proj"],
+                          target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj_bias"], random_b=0.3)
     ids = torch.randint(0, 64, (2, 10))
     peft_model.get_base_model().set_experts_implementation("eager")
     ref = _loss_and_grads(peft_model, ids)
@@ -393,7 +379,8 @@ def test_triton_kernels_match_torch_interpreted():
     """
     pytest.importorskip("triton")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="2", PYTHONPATH=root)
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="2",
+               PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))  # tests/: the parity harness
     proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], cwd=root, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "TRITON_OK" in proc.stdout, proc.stderr[-3000:]

@@ -12,6 +12,7 @@ from typing import Optional
 
 import pytest
 import torch
+from parity import Run, add_lora, assert_same_run, gradients, run_steps, tiny_lm
 from torch.utils.checkpoint import checkpoint
 
 from nbkit.ops.offload_lanes import _HostPool, _Lane, slot_bytes
@@ -23,16 +24,9 @@ LAYERS = 4
 
 
 def tiny_qwen3(layers: int = LAYERS):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, attn_implementation="sdpa",
-    )
-    model = Qwen3ForCausalLM(cfg).float()
-    model.train()
-    return model
+    """A qwen3 of hidden size 64 (the host slots below are sized by it), SDPA attention, in train mode."""
+    return tiny_lm("qwen3", 128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, head_dim=16,
+                   max_position_embeddings=256, attn_implementation="sdpa").train()
 
 
 def batch():
@@ -44,22 +38,18 @@ def batch():
     return dict(input_ids=ids, position_ids=pos, labels=labels)
 
 
+def _twice(loss: torch.Tensor) -> None:
+    loss.backward(retain_graph=True)
+    loss.backward()
+
+
 def step(model, retain: bool = False):
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch()).loss
-    loss.backward(retain_graph=retain)
-    if retain:
-        loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads
+    """One forward and backward of ``batch()`` (with ``retain``: two backwards of the same graph)."""
+    return run_steps(model, [batch()], backward=_twice if retain else torch.Tensor.backward)
 
 
 def assert_same(ref, got):
-    (l0, g0), (l1, g1) = ref, got
-    assert torch.equal(l0, l1), (l0, l1)
-    assert g0.keys() == g1.keys() and g0
-    for k in g0:
-        assert torch.equal(g0[k], g1[k]), k
+    assert_same_run(got, ref)  # bitwise: the loss and every gradient
 
 
 def layer_funcs(model):
@@ -205,15 +195,12 @@ def test_every_n_layers():
 
 
 def test_peft_lora_parity():
-    from peft import LoraConfig, get_peft_model
-
-    model = tiny_qwen3()
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    model = add_lora(tiny_qwen3(), targets=targets, init_lora_weights=False)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     ref = step(model)
-    assert any("lora_A" in k for k in ref[1])
+    assert any("lora_A" in k for k in ref.grads[0])
     oc = OffloadedCheckpointing(mode=True, trace=100)
     assert oc.attach(model)  # the PeftModel: unwrapped to the transformers model inside
     assert_same(ref, step(model))
@@ -225,14 +212,9 @@ def test_peft_lora_parity():
 
 def test_moe_layers_prefetch_after_the_sparse_block():
     """In an MoE model the layer's ``mlp`` is the sparse expert block: same trigger, same bitwise parity."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                         num_experts=4, num_experts_per_tok=2, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, max_position_embeddings=256, attn_implementation="sdpa")
-    model = Qwen3MoeForCausalLM(cfg).float()
-    model.train()
+    model = tiny_lm("qwen3_moe", 128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                    num_hidden_layers=3, head_dim=16, max_position_embeddings=256, attn_implementation="sdpa",
+                    norm_topk_prob=False).train()
     model.gradient_checkpointing_enable()
     ref = step(model)
     oc = OffloadedCheckpointing(mode=True)
@@ -336,9 +318,10 @@ def test_corrupted_restore_is_detected(gc_model, monkeypatch):
     monkeypatch.setattr(_Lane, "unpack", lambda self, p: real(self, p) * 0.999)
     oc = OffloadedCheckpointing(mode=True)
     oc.attach(gc_model)
-    loss, grads = step(gc_model)
-    assert torch.equal(loss, ref[0])  # the forward is untouched
-    assert not all(torch.equal(grads[k], ref[1][k]) for k in grads)
+    got = step(gc_model)
+    assert_same_run(got, ref, grads=None)  # the forward is untouched
+    with pytest.raises(AssertionError, match="gradient of step 1"):
+        assert_same(ref, got)
     oc.detach()
 
 
@@ -476,7 +459,8 @@ class MlpBlock(Block):
         return a + (m.detach() if self.cut else m)
 
 
-def _stack_grads(blocks, offload: Optional[OffloadedCheckpointing]):
+def _stack_grads(blocks, offload: Optional[OffloadedCheckpointing]) -> Run:
+    """One forward and backward of the stack: the loss, the input's and every parameter's gradient."""
     torch.manual_seed(1)
     x = torch.randn(8, 32, requires_grad=True)
     shared = torch.rand(8, 32)
@@ -485,8 +469,7 @@ def _stack_grads(blocks, offload: Optional[OffloadedCheckpointing]):
         assert offload.attach(blocks)
     out = run_stack(blocks, x, shared).square().sum()
     out.backward()
-    grads = [x.grad] + [p.grad.clone() for p in blocks.parameters() if p.grad is not None]
-    return out.detach(), grads
+    return Run([out.item()], [{"input": x.grad, **gradients(blocks)}])
 
 
 @pytest.mark.parametrize("kind", ["no_mlp", "mlp_without_grad_input", "mlp_hook_never_fires", "mlp"])
@@ -500,7 +483,7 @@ def test_prefetch_fallbacks_keep_parity(kind):
     ref = _stack_grads(blocks, None)
     oc = OffloadedCheckpointing(mode=True, trace=100)
     got = _stack_grads(blocks, oc)
-    assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    assert_same_run(got, ref)
     s = oc.stats
     assert s.packs == s.unpacks == 3
     fetches = [e[2] for e in oc.trace if e[0] == "prefetch"]
@@ -542,7 +525,7 @@ def test_aborted_backward_then_reset():
     assert all(lane.staged is None for lane in oc._lanes.values())
     oc.detach()
     got = _stack_grads(blocks, OffloadedCheckpointing(mode=True))
-    assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    assert_same_run(got, ref)
 
 
 def test_host_check_counts_and_reclaims_torch_pinned_cache(gc_model, monkeypatch):

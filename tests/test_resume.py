@@ -35,15 +35,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from parity import Tol, assert_same_series, assert_same_tensors, fast_sft
 from safetensors.torch import load_file
 
-from nbkit import FastSFT, FastSFTConfig
+from nbkit import FastSFT
 from nbkit.reliability.checkpoints import STAGING_PREFIX, checkpoint_problem, last_complete_checkpoint
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 MAX_STEPS, SAVE_STEPS = 6, 2
 RTOL, ATOL = 1e-5, 1e-7
+SAME = Tol(rtol=RTOL, atol=ATOL)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -51,25 +53,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def build(output_dir: str | os.PathLike, eval_dataset=None, **overrides) -> FastSFT:
     """The run every scenario repeats (also imported by the child processes)."""
-    from peft import LoraConfig
-
-    from nbkit.demo.data import make_dataset
-    from nbkit.demo.models import tiny_model
-    from nbkit.demo.tokenizer import load_demo_tokenizer
-
-    tokenizer = load_demo_tokenizer()
-    model = tiny_model("qwen3", len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                       eos_token_id=tokenizer.eos_token_id)
     config = dict(
-        output_dir=str(output_dir), max_steps=MAX_STEPS, per_device_train_batch_size=2, learning_rate=3e-3,
-        lr_scheduler_type="cosine", warmup_steps=1, logging_steps=1, save_strategy="steps", save_steps=SAVE_STEPS,
-        report_to=[], bf16=False, use_cpu=True, seed=0, disable_tqdm=True, max_length=64, packing=True,
-        assistant_only_loss=True, live_dashboard=False, dataloader_num_workers=0, gradient_checkpointing=False,
+        max_steps=MAX_STEPS, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=1, save_strategy="steps",
+        save_steps=SAVE_STEPS, max_length=64, assistant_only_loss=True, gradient_checkpointing=False,
     )
-    config.update(overrides)
-    return FastSFT(model=model, args=FastSFTConfig(**config), train_dataset=make_dataset("messages", n=64),
-                   eval_dataset=eval_dataset, processing_class=tokenizer,
-                   peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    return fast_sft(output_dir, eval_dataset=eval_dataset, **(config | overrides))
 
 
 def record_steps(trainer: FastSFT) -> list[int]:
@@ -97,11 +85,8 @@ def final_adapter(trainer: FastSFT, folder: Path) -> dict[str, torch.Tensor]:
 def assert_same_run(trainer: FastSFT, reference: dict, folder: Path) -> None:
     got = losses(trainer.state.log_history)
     assert len(got) == MAX_STEPS, got
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(reference["losses"]), rtol=RTOL, atol=ATOL)
-    adapter = final_adapter(trainer, folder)
-    assert adapter.keys() == reference["adapter"].keys()
-    for name, tensor in reference["adapter"].items():
-        torch.testing.assert_close(adapter[name], tensor, rtol=RTOL, atol=ATOL, msg=name)
+    assert_same_series(got, reference["losses"], SAME)
+    assert_same_tensors(final_adapter(trainer, folder), reference["adapter"], SAME, where="final adapter")
 
 
 @pytest.fixture(scope="module")
@@ -409,17 +394,15 @@ def test_demo_resume_matches_uninterrupted_and_shows_no_secret(tmp_path, monkeyp
 
     assert resumed["resumed_from"] == str(tmp_path / "cut" / "trainer" / "checkpoint-2")
     assert resumed["steps"] == full["steps"] == 6
-    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"]), rtol=RTOL, atol=ATOL)
+    assert_same_series(resumed["losses"], full["losses"], SAME)
     a = load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors")
     b = load_file(tmp_path / "cut" / "adapter" / "adapter_model.safetensors")
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=RTOL, atol=ATOL, msg=name)
+    assert_same_tensors(b, a, SAME, where="final adapter")
     assert json.loads((tmp_path / "cut" / "metrics.json").read_text())["losses"] == resumed["losses"]
     again = demo.main(argv(tmp_path / "cut", "--resume"))  # the run is finished: nothing left to train
     assert again["resumed_from"] == str(tmp_path / "cut" / "trainer" / "checkpoint-6") and again["steps"] == 6
     assert not (tmp_path / "cut" / "trainer" / "checkpoint-7").exists()
-    torch.testing.assert_close(torch.tensor(again["losses"]), torch.tensor(full["losses"]), rtol=RTOL, atol=ATOL)
+    assert_same_series(again["losses"], full["losses"], SAME)
 
     out, err = capfd.readouterr()
     assert "resuming from" in out

@@ -14,19 +14,15 @@ import logging
 
 import pytest
 import torch
-from grad_steps import StepGrads
-from peft import LoraConfig, get_peft_model
+from parity import VOCAB, add_lora, assert_same_run, fast_sft, run_steps, tiny_lm, train
 
-from nbkit import FastSFT, FastSFTConfig
+from nbkit import FastSFTConfig
 from nbkit.demo.data import make_dataset
-from nbkit.demo.models import tiny_model
-from nbkit.demo.tokenizer import load_demo_tokenizer
 from nbkit.speedups import max_micro_batch_tokens
 from nbkit.speedups import selective_checkpointing as selective
 from nbkit.speedups.offload import OffloadedCheckpointing
 from nbkit.speedups.selective_checkpointing import MARGIN, SHARE, SelectiveCheckpointing, layers_to_keep
 
-VOCAB = 97
 LAYERS = 4  # tiny_model's
 STEPS = 3  # step 1 measures; steps 2 and 3 run with the decision
 
@@ -64,67 +60,54 @@ def budget_for(layers: float):
 
 
 def _train(tmp_path, family: str, selective_mode, checkpointing: bool = True, **switches):
-    tok = load_demo_tokenizer()
-    model = tiny_model(family, len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
-    settings = dict(
-        output_dir=str(tmp_path / f"{family}-{selective_mode}-{checkpointing}-{len(switches)}"), max_steps=STEPS,
-        per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
-        use_cpu=True, bf16=False, seed=0, packing=True, max_length=96, shuffle_dataset=False,
-        dataloader_num_workers=0, disable_tqdm=True, live_dashboard=False, gradient_checkpointing=checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False}, optim="sgd", selective_checkpointing=selective_mode,
-    )
-    args = FastSFTConfig(**(settings | switches))
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
-    grads = StepGrads()
-    torch.manual_seed(0)
-    trainer = FastSFT(model=model, args=args, train_dataset=make_dataset("messages", n=96), processing_class=tok,
-                      peft_config=lora, callbacks=[grads])
+    """STEPS SGD steps of FastSFT (LoRA r4 on every linear layer): the run, and each layer's attention calls."""
+    settings = dict(max_steps=STEPS, learning_rate=1e-2, shuffle_dataset=False, gradient_checkpointing=checkpointing,
+                    gradient_checkpointing_kwargs={"use_reentrant": False}, optim="sgd",
+                    selective_checkpointing=selective_mode)
+    trainer = fast_sft(tmp_path / f"{family}-{selective_mode}-{checkpointing}-{len(switches)}", family=family,
+                       dataset=make_dataset("messages", n=96), **(settings | switches))
     calls = count_attention_calls(trainer.model)
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert len(losses) == STEPS and len(grads.steps) == STEPS
-    return losses, grads.steps, calls, trainer
+    run = train(trainer, grads=True)
+    assert len(run.losses) == STEPS and len(run.grads) == STEPS
+    return run, calls
 
 
 def assert_same_training(plain, fast) -> None:
-    (losses_a, grads_a, *_), (losses_b, grads_b, *_) = plain, fast
-    assert losses_b == losses_a  # exact: see the module docstring
-    for step, (a, b) in enumerate(zip(grads_a, grads_b)):
-        assert a.keys() == b.keys() and any("lora_B" in n for n in a), step
-        for name in a:
-            assert torch.equal(a[name], b[name]), (step, name)
+    """Losses and every gradient of every step bitwise equal (see the module docstring), LoRA B's among them."""
+    assert_same_run(fast, plain)
+    assert all(any("lora_B" in n for n in step) for step in plain.grads)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
 def test_same_losses_and_lora_gradients_with_no_recompute(tmp_path, one_thread, family, caplog):
-    plain = _train(tmp_path, family, False)
-    assert plain[2] == [2 * STEPS] * LAYERS  # plain checkpointing: forward and recompute, every step
+    plain, plain_calls = _train(tmp_path, family, False)
+    assert plain_calls == [2 * STEPS] * LAYERS  # plain checkpointing: forward and recompute, every step
     with caplog.at_level(logging.INFO, logger="nbkit.speedups.selective_checkpointing"):
-        fast = _train(tmp_path, family, True)
+        fast, calls = _train(tmp_path, family, True)
     assert_same_training(plain, fast)
-    assert fast[2] == [2 + (STEPS - 1)] * LAYERS  # step 1 recomputes; after it, no layer does (CPU: all of them)
-    assert "selective_checkpointing" in fast[3].nbkit_attached
+    assert calls == [2 + (STEPS - 1)] * LAYERS  # step 1 recomputes; after it, no layer does (CPU: all of them)
+    assert "selective_checkpointing" in fast.trainer.nbkit_attached
     assert caplog.text.count(f"{LAYERS} of {LAYERS} layers un-checkpointed") == 1
-    assert all(layer.gradient_checkpointing is True for layer in layers_of(fast[3].model))  # detached
+    assert all(layer.gradient_checkpointing is True for layer in layers_of(fast.trainer.model))  # detached
 
 
 def test_with_the_other_switches(tmp_path, one_thread):
     """fused_lora and cached_packing are on in every FastSFT run here; offload and tiled MLPs join in this one."""
     others = dict(offload_checkpointing=True, tiled_mlp=True, tiled_mlp_tokens=8)
-    plain = _train(tmp_path, "llama", False, **others)
-    fast = _train(tmp_path, "llama", True, **others)
+    plain, _ = _train(tmp_path, "llama", False, **others)
+    fast, calls = _train(tmp_path, "llama", True, **others)
     assert_same_training(plain, fast)
-    assert fast[2] == [2 + (STEPS - 1)] * LAYERS
+    assert calls == [2 + (STEPS - 1)] * LAYERS
     for name in ("fused_lora", "offload_checkpointing", "tiled_mlp", "selective_checkpointing"):
-        assert name in fast[3].nbkit_attached, fast[3].nbkit_attached
+        assert name in fast.trainer.nbkit_attached, fast.trainer.nbkit_attached
 
 
 def test_a_tight_budget_leaves_every_layer_checkpointed(tmp_path, one_thread, monkeypatch, caplog):
     monkeypatch.setattr(selective, "memory_readings", lambda device: (1 << 30, (1 << 30) - (1 << 20), 0))
     with caplog.at_level(logging.INFO, logger="nbkit.speedups.selective_checkpointing"):
-        losses, grads, calls, trainer = _train(tmp_path, "qwen3", True)
+        run, calls = _train(tmp_path, "qwen3", True)
     assert calls == [2 * STEPS] * LAYERS
-    assert "selective_checkpointing" not in trainer.nbkit_attached
+    assert "selective_checkpointing" not in run.trainer.nbkit_attached
     assert f"0 of {LAYERS} layers un-checkpointed" in caplog.text
 
 
@@ -137,14 +120,14 @@ def test_auto_is_not_built_for_a_cpu_run(tmp_path, one_thread):
         return [s.name for s in speedups.build("train", args, True)]
 
     assert names() == [] and names(selective_checkpointing=True) == ["selective_checkpointing"]
-    _, _, calls, trainer = _train(tmp_path, "qwen3", "auto")
-    assert calls == [2 * STEPS] * LAYERS and "selective_checkpointing" not in trainer.nbkit_attached
+    run, calls = _train(tmp_path, "qwen3", "auto")
+    assert calls == [2 * STEPS] * LAYERS and "selective_checkpointing" not in run.trainer.nbkit_attached
 
 
 def test_without_gradient_checkpointing_it_does_nothing(tmp_path, one_thread):
-    _, _, calls, trainer = _train(tmp_path, "qwen3", True, checkpointing=False)
-    assert calls == [STEPS] * LAYERS and "selective_checkpointing" not in trainer.nbkit_attached
-    model = tiny_model("qwen3", VOCAB).train()
+    run, calls = _train(tmp_path, "qwen3", True, checkpointing=False)
+    assert calls == [STEPS] * LAYERS and "selective_checkpointing" not in run.trainer.nbkit_attached
+    model = tiny_lm("qwen3").train()
     assert SelectiveCheckpointing(mode=True, max_tokens=64).attach(model) is False
 
 
@@ -153,29 +136,17 @@ def test_without_gradient_checkpointing_it_does_nothing(tmp_path, one_thread):
 
 
 def _model(reentrant: bool = False, lora: bool = True) -> torch.nn.Module:
-    model = tiny_model("qwen3", VOCAB)
+    model = tiny_lm("qwen3")
     if lora:
-        torch.manual_seed(0)  # LoRA A's init draws from the global RNG
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+        model = add_lora(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     return model.train()
 
 
 def _steps(model: torch.nn.Module, steps: int = STEPS):
+    """``steps`` forward and backward passes of the same 64 tokens, by hand (no optimizer step)."""
     ids = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(0))
-    out = []
-    for _ in range(steps):
-        model.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-    return out
-
-
-def _assert_same(a, b) -> None:
-    for (la, ga), (lb, gb) in zip(a, b):
-        assert torch.equal(la, lb) and ga.keys() == gb.keys() and ga
-        assert all(torch.equal(ga[n], gb[n]) for n in ga)
+    return run_steps(model, [dict(input_ids=ids, labels=ids)] * steps)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -186,7 +157,7 @@ def test_the_last_layers_that_fit_are_the_ones_left_unchecked(one_thread, monkey
     speedup = SelectiveCheckpointing(mode=True, max_tokens=64)
     monkeypatch.setattr(selective, "memory_readings", budget_for(2.5)(speedup))
     assert speedup.attach(model)
-    _assert_same(plain, _steps(model))
+    assert_same_run(_steps(model), plain)
     assert speedup.kept == 2 and speedup.engaged
     assert [layer.gradient_checkpointing for layer in layers_of(model)] == [True, True, False, False]
     assert calls == [2 * STEPS, 2 * STEPS, 2 + (STEPS - 1), 2 + (STEPS - 1)]
@@ -278,13 +249,13 @@ def test_padding_free_rows_without_max_length_are_bounded_by_the_dataset(tmp_pat
     """The notebook recipe (padding-free, unpacked, max_length=None as TRL requires there): the longest micro-batch
     is the batch size x the longest tokenized example, so the speedup engages, with the same training."""
     recipe = dict(packing=False, padding_free=True, max_length=None)
-    plain = _train(tmp_path, "qwen3", False, **recipe)
+    plain, _ = _train(tmp_path, "qwen3", False, **recipe)
     with caplog.at_level(logging.INFO, logger="nbkit.speedups.selective_checkpointing"):
-        fast = _train(tmp_path, "qwen3", True, **recipe)
+        fast, calls = _train(tmp_path, "qwen3", True, **recipe)
     assert "longest micro-batch is unknown" not in caplog.text
     assert_same_training(plain, fast)
-    assert fast[2] == [2 + (STEPS - 1)] * LAYERS
-    longest = max(len(ids) for ids in fast[3].train_dataset["input_ids"])
+    assert calls == [2 + (STEPS - 1)] * LAYERS
+    longest = max(len(ids) for ids in fast.trainer.train_dataset["input_ids"])
     assert f"longest micro-batch of {2 * longest} tokens" in caplog.text
 
 
@@ -329,7 +300,7 @@ def test_auto_engages_beside_offload(one_thread, monkeypatch, caplog):
         offload = OffloadedCheckpointing(mode=True)
         speedup = SelectiveCheckpointing(mode="auto", max_tokens=64)
         assert offload.attach(model) and speedup.attach(model)
-        _assert_same(plain, _steps(model))
+        assert_same_run(_steps(model), plain)
         assert speedup.kept == kept and speedup.engaged is bool(kept)
         assert [layer.gradient_checkpointing for layer in layers_of(model)] == [True] * (LAYERS - kept) + [False] * kept
         # step 1 offloads every layer's input; after it, only the layers still checkpointed
@@ -360,19 +331,3 @@ def test_eager_attention_is_sized_as_tokens_squared(one_thread, monkeypatch):
         speedup.detach()
     assert needs["sdpa"] == pytest.approx([1] * LAYERS, rel=1e-6)
     assert needs["eager"] == pytest.approx([1000] * LAYERS, rel=1e-6)
-
-
-def test_the_limit_is_what_this_process_can_reach(monkeypatch):
-    """Another process on the same GPU (or the CUDA context) holds memory the allocator never sees: the limit is the
-    per-process limit, but no more than what the allocator holds plus what the device has free."""
-    gib = 1 << 30
-    device = torch.device("cuda", 0)
-    monkeypatch.setattr(selective, "gpu_limit", lambda device: 80 * gib if device.type == "cuda" else None)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 5 * gib)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * gib)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * gib)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))  # 65 GiB elsewhere
-    assert selective.memory_readings(device) == (15 * gib, 3 * gib, 2 * gib)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (75 * gib, 80 * gib))  # the GPU to itself
-    assert selective.memory_readings(device) == (80 * gib, 3 * gib, 2 * gib)
-    assert selective.memory_readings(torch.device("cpu")) is None

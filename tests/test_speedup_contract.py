@@ -224,3 +224,18 @@ def test_a_change_made_outside_the_ledger_is_caught(one_thread):
     assert any("model.norm" in d for d in found)
     assert any("modeling_qwen3" in d and "apply_rotary_pos_emb" in d for d in found)
     assert differences(before, snapshot(model)) == []
+
+
+def test_the_trainer_stage_attaches_with_the_run_and_lists_only_switched_speedups(one_thread):
+    """Inside ``nbkit_speedups`` the trainer-stage speedups are on the trainer (its ``compute_loss``, ``log``,
+    ``_clip_grad_norm`` and ``floating_point_ops`` are theirs); ``nbkit_attached`` names the switched one
+    (``sync_free_metrics``), not the always-on ones; after the block the trainer's own methods are back."""
+    trainer = _trainer()
+    with trainer.nbkit_speedups():
+        names = trainer.active_speedups
+        patched = {k for k in ("compute_loss", "log", "_clip_grad_norm", "floating_point_ops") if k in vars(trainer)}
+        kinds = {type(s) for s in trainer._speedups}
+    assert "sync_free_metrics" in names and not {"step_walks", "step_flops"} & set(names), names
+    assert patched == {"compute_loss", "log", "_clip_grad_norm", "floating_point_ops"}
+    assert {SyncFreeLoss, CachedTrainableWalks, CachedFlops} <= kinds
+    assert not {"compute_loss", "log", "_clip_grad_norm", "floating_point_ops"} & set(vars(trainer))

@@ -9,36 +9,25 @@ tiled path must have run (its autograd function is counted), or the comparison w
 from __future__ import annotations
 
 import pytest
-import torch
-from peft import LoraConfig
+from parity import Tol, assert_same_series, assert_same_tensors, fast_sft, train
 
-from nbkit import FastSFT, FastSFTConfig
+from nbkit import FastSFTConfig
 from nbkit.demo.data import make_dataset
 from nbkit.demo.models import tiny_model
-from nbkit.demo.tokenizer import load_demo_tokenizer
 from nbkit.ops import tiled_mlp as tiled_op
 from nbkit.settings import SettingError
 
+SAME = Tol(rtol=1e-5)  # losses
+SAME_WEIGHTS = Tol(scaled=1e-5)
+
 
 def _train(tmp_path, family: str, tiled, checkpointing: bool, tokens=None):
-    tok = load_demo_tokenizer()
-    model = tiny_model(family, len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
-    args = FastSFTConfig(
-        output_dir=str(tmp_path / f"{family}-{tiled}-{checkpointing}"), max_steps=2, per_device_train_batch_size=2,
-        learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0,
-        packing=True, max_length=96, shuffle_dataset=False, dataloader_num_workers=0, disable_tqdm=True,
-        live_dashboard=False, gradient_checkpointing=checkpointing,
+    trainer = fast_sft(
+        tmp_path / f"{family}-{tiled}-{checkpointing}", family=family, max_steps=2, learning_rate=1e-2,
+        shuffle_dataset=False, gradient_checkpointing=checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False}, optim="sgd", tiled_mlp=tiled,
-        tiled_mlp_tokens=tokens,
-    )
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
-    torch.manual_seed(0)
-    trainer = FastSFT(model=model, args=args, train_dataset=make_dataset("messages", n=96), processing_class=tok,
-                      peft_config=lora)
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    return losses, weights, trainer
+        tiled_mlp_tokens=tokens, dataset=make_dataset("messages", n=96))
+    return train(trainer)
 
 
 @pytest.mark.parametrize("family, checkpointing", [("llama", True), ("llama", False), ("gemma3", True)])
@@ -51,17 +40,16 @@ def test_tiled_mlp_trains_as_the_plain_mlp(tmp_path, one_thread, monkeypatch, fa
         return apply(*a)
 
     monkeypatch.setattr(tiled_op._TiledMLP, "apply", counted)
-    losses_plain, weights_plain, _ = _train(tmp_path, family, False, checkpointing)
+    plain = _train(tmp_path, family, False, checkpointing)
     assert not calls
-    losses_tiled, weights_tiled, trainer = _train(tmp_path, family, True, checkpointing, tokens=8)
+    tiled = _train(tmp_path, family, True, checkpointing, tokens=8)
     assert calls and all(shape[-2] > 8 for shape in calls), calls
-    assert "tiled_mlp" in trainer.nbkit_attached
-    assert losses_tiled == pytest.approx(losses_plain, rel=1e-5) and len(losses_plain) == 2
-    moved = [n for n, w in weights_plain.items() if "mlp" in n and "lora_B" in n and w.abs().max() > 0]
+    assert "tiled_mlp" in tiled.trainer.nbkit_attached
+    assert_same_series(tiled.losses, plain.losses, SAME)
+    assert len(plain.losses) == 2
+    moved = [n for n, w in plain.weights.items() if "mlp" in n and "lora_B" in n and w.abs().max() > 0]
     assert moved, "the MLP adapters did not train"
-    for name, w in weights_plain.items():
-        err = float((weights_tiled[name] - w).abs().max() / w.abs().max().clamp_min(1e-12))
-        assert err <= 1e-5, (name, err)
+    assert_same_tensors(tiled.weights, plain.weights, SAME_WEIGHTS)
 
 
 def test_moe_blocks_are_left_alone():
@@ -109,7 +97,7 @@ def test_auto_leaves_cpu_runs_plain(tmp_path, one_thread, monkeypatch):
     calls = []
     apply = tiled_op._TiledMLP.apply
     monkeypatch.setattr(tiled_op._TiledMLP, "apply", lambda *a: calls.append(1) or apply(*a))
-    _, _, trainer = _train(tmp_path, "llama", "auto", True)
+    trainer = _train(tmp_path, "llama", "auto", True).trainer
     assert "tiled_mlp" not in trainer.nbkit_attached and not calls
 
 
@@ -121,14 +109,13 @@ def test_auto_short_of_memory_tiles_and_trains_as_the_plain_mlp(tmp_path, one_th
     calls = []
     apply = tiled_op._TiledMLP.apply
     monkeypatch.setattr(tiled_op._TiledMLP, "apply", lambda *a: calls.append(a[1].shape) or apply(*a))
-    losses_plain, weights_plain, _ = _train(tmp_path, "llama", False, True)
+    plain = _train(tmp_path, "llama", False, True)
     monkeypatch.setattr(tiled_speedup, "gpu_limit", lambda device: 1 << 20)
     monkeypatch.setattr(tiled_speedup, "gpu_in_use", lambda device: 1 << 19)
-    losses_auto, weights_auto, trainer = _train(tmp_path, "llama", "auto", True)
-    assert calls and "tiled_mlp" in trainer.nbkit_attached
-    assert losses_auto == pytest.approx(losses_plain, rel=1e-5)
-    for name, w in weights_plain.items():
-        assert float((weights_auto[name] - w).abs().max() / w.abs().max().clamp_min(1e-12)) <= 1e-5, name
+    auto = _train(tmp_path, "llama", "auto", True)
+    assert calls and "tiled_mlp" in auto.trainer.nbkit_attached
+    assert_same_series(auto.losses, plain.losses, SAME)
+    assert_same_tensors(auto.weights, plain.weights, SAME_WEIGHTS)
 
 
 def test_auto_decides_once_per_shape_so_the_recompute_saves_what_the_forward_saved(tmp_path, one_thread,
@@ -147,11 +134,10 @@ def test_auto_decides_once_per_shape_so_the_recompute_saves_what_the_forward_sav
         return len(asked) > 2
 
     monkeypatch.setattr(tiled_speedup, "needs_tiles", crowded_after_two)
-    losses_plain, weights_plain, _ = _train(tmp_path, "llama", False, True)
-    losses_auto, weights_auto, _ = _train(tmp_path, "llama", "auto", True)
+    plain = _train(tmp_path, "llama", False, True)
+    auto = _train(tmp_path, "llama", "auto", True)
     # one decision per layer and input shape (2 layers; the 2 steps' packed rows may differ in length), never one per
     # call (2 steps x 2 layers x forward and recompute): the recompute repeats the forward's choice
     assert len(asked) in (2, 4)
-    assert losses_auto == pytest.approx(losses_plain, rel=1e-5)
-    for name, w in weights_plain.items():
-        assert float((weights_auto[name] - w).abs().max() / w.abs().max().clamp_min(1e-12)) <= 1e-5, name
+    assert_same_series(auto.losses, plain.losses, SAME)
+    assert_same_tensors(auto.weights, plain.weights, SAME_WEIGHTS)

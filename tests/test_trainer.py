@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from parity import Tol, assert_same_series, fast_sft, tiny_lm, train
 from transformers import AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 from nbkit import FastSFT, FastSFTConfig
 from nbkit.demo.data import make_dataset
-from nbkit.demo.models import tiny_model
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "nbkit" / "demo" / "assets" / "tokenizer"
 
@@ -26,7 +26,7 @@ def tokenizer():
 
 
 def _model(tokenizer, family="qwen3"):
-    return tiny_model(family, len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return tiny_lm(family, tokenizer=tokenizer)
 
 
 def _args(cls, tmp_path, **kw):
@@ -41,18 +41,11 @@ def _args(cls, tmp_path, **kw):
     return cls(**base)
 
 
-def _losses(trainer):
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
-
-
 def _train_both(tokenizer, tmp_path, dataset, **kw):
-    plain = SFTTrainer(model=_model(tokenizer), args=_args(SFTConfig, tmp_path, **kw), train_dataset=dataset,
-                       processing_class=tokenizer)
-    plain.train()
-    fast = FastSFT(model=_model(tokenizer), args=_args(FastSFTConfig, tmp_path, **kw), train_dataset=dataset,
-                   processing_class=tokenizer)
-    fast.train()
-    return plain, fast
+    """SFTTrainer then FastSFT, full fine-tunes of the same tiny model on the same data and settings."""
+    settings = dict(max_steps=3, per_device_train_batch_size=4, learning_rate=3e-3, gradient_checkpointing=False,
+                    max_length=128, lora=None, tokenizer=tokenizer, dataset=dataset)
+    return [train(fast_sft(tmp_path / cls.__name__, trainer_cls=cls, **settings, **kw)) for cls in (SFTTrainer, FastSFT)]
 
 
 @pytest.mark.parametrize(
@@ -67,13 +60,11 @@ def _train_both(tokenizer, tmp_path, dataset, **kw):
 def test_fastsft_losses_equal_sfttrainer(tokenizer, tmp_path, fmt, kw, packing):
     dataset = make_dataset(fmt, n=48, split="train", seed=0)
     plain, fast = _train_both(tokenizer, tmp_path, dataset, packing=packing, **kw)
-    assert any(s.startswith("cached_packing") for s in fast.nbkit_attached), fast.nbkit_attached
-    a, b = _losses(plain), _losses(fast)
-    assert len(a) == len(b) == 3
-    assert a[0] > 0
-    torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=1e-6)
+    assert any(s.startswith("cached_packing") for s in fast.trainer.nbkit_attached), fast.trainer.nbkit_attached
+    assert len(plain.losses) == 3 and plain.losses[0] > 0
+    assert_same_series(fast.losses, plain.losses, Tol(rtol=1e-5, atol=1e-6))
     # detached after training: the user gets a plain model back
-    assert fast.model.config._attn_implementation != "nbkit"
+    assert fast.trainer.model.config._attn_implementation != "nbkit"
 
 
 def test_switch_off_is_plain_trl(tokenizer, tmp_path):

@@ -203,6 +203,9 @@ SPEEDUPS: tuple[SpeedupSpec, ...] = (
 )
 
 
+ALWAYS_ON = frozenset(spec.name for spec in SPEEDUPS if not spec.switched)  # not listed as attached: no choice
+
+
 def build(stage: str, args: Any, packed_batches: bool, dataset: Any = None) -> list[Speedup]:
     """The speedups of ``stage`` this run's arguments (and its train dataset, where they need it) switch on, in
     table order (attach order)."""
