@@ -10,11 +10,9 @@ the notebooks and the per-rank gather all read memory through here, so every fig
 What the speedups size by (no host sync: the allocator's counters are host-side, the device's free memory is one
 driver query):
 
-- ``gpu_limit(device)``: the one definition of how much this process may use on a GPU: its per-process cap
-  (``process_cap``: the device's memory times ``torch.cuda.set_per_process_memory_fraction``'s fraction), and no more
-  than what its allocator holds plus what the device has free (another process, the CUDA context and non-torch
-  allocations are not ours). The free memory is a driver query, slow enough to matter per layer call: a check made
-  on every call of a hot path screens by ``process_cap`` (an upper bound of the limit, no query) first.
+- ``gpu_limit(device)``: the one definition of how much this process may use on a GPU: its per-process fraction of
+  the device (``torch.cuda.set_per_process_memory_fraction``), and no more than what its allocator holds plus what
+  the device has free (another process, the CUDA context and non-torch allocations are not ours).
 - ``memory_readings(device)``: (limit, peak allocated, allocated now), the three numbers a speedup decides by.
 - ``gpu_in_use(device)``: bytes held by tensors now; ``room_for(device, n)``: whether ``n`` more bytes can be had
   from the allocator's cache, or twice that below the limit; ``shares_host_memory(device)``: an integrated GPU.
@@ -211,13 +209,14 @@ def room_for(device: Any, nbytes: int) -> bool:
     off CUDA."""
     import torch
 
-    device = _indexed(device)
-    if device.type != "cuda":
+    limit = gpu_limit(device)
+    if limit is None:
         return True
+    device = _indexed(device)
     reserved = int(torch.cuda.memory_reserved(device))
     if reserved - int(torch.cuda.memory_allocated(device)) >= nbytes:
-        return True  # before the driver query: a hit is the common case, called per layer per step
-    return gpu_limit(device) - reserved >= 2 * nbytes
+        return True
+    return limit - reserved >= 2 * nbytes
 
 
 def shares_host_memory(device: Any) -> bool:

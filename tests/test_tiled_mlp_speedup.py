@@ -110,7 +110,7 @@ def test_auto_short_of_memory_tiles_and_trains_as_the_plain_mlp(tmp_path, one_th
     apply = tiled_op._TiledMLP.apply
     monkeypatch.setattr(tiled_op._TiledMLP, "apply", lambda *a: calls.append(a[1].shape) or apply(*a))
     plain = _train(tmp_path, "llama", False, True)
-    monkeypatch.setattr(tiled_speedup, "process_cap", lambda device: 1 << 20)
+    monkeypatch.setattr(tiled_speedup, "gpu_limit", lambda device: 1 << 20)
     monkeypatch.setattr(tiled_speedup, "gpu_in_use", lambda device: 1 << 19)
     auto = _train(tmp_path, "llama", "auto", True)
     assert calls and "tiled_mlp" in auto.trainer.nbkit_attached
@@ -127,7 +127,7 @@ def test_auto_decides_once_per_shape_so_the_recompute_saves_what_the_forward_sav
     calls, asked = [], []
     apply = tiled_op._TiledMLP.apply
     monkeypatch.setattr(tiled_op._TiledMLP, "apply", lambda *a: calls.append(1) or apply(*a))
-    monkeypatch.setattr(tiled_speedup, "process_cap", lambda device: 1 << 30)
+    monkeypatch.setattr(tiled_speedup, "gpu_limit", lambda device: 1 << 30)
 
     def crowded_after_two(*args):  # the first two judgements (the layers' forwards) see room, the rest do not
         asked.append(1)

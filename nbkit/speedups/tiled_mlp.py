@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..memory import gpu_in_use, process_cap
+from ..memory import gpu_in_use, gpu_limit
 from ..model_parts import unwrap_model
 from ..ops.tiled_mlp import tiled_mlp
 from .ledger import PatchLedger
@@ -67,7 +67,7 @@ def _tiled_forward(forward: Callable[[torch.Tensor], torch.Tensor], module: nn.M
             if key not in decided:
                 if len(decided) > 256:
                     decided.clear()
-                limit = process_cap(x.device)  # once per new shape on the hot path: the cap, no driver query
+                limit = gpu_limit(x.device)
                 tokens = x.numel() // x.shape[-1]
                 # in use now, plus what backward adds beside the MLP (the hidden states' gradients, ~4 of x)
                 decided[key] = limit is not None and needs_tiles(
@@ -113,7 +113,7 @@ class TiledMLP:
         intermediate = None
         if self.auto:
             device = next((p.device for p in base.parameters()), torch.device("cpu"))
-            if process_cap(device) is None:
+            if gpu_limit(device) is None:
                 logger.info("nbkit: tiled_mlp='auto' stays off: the model is on %s, not a CUDA GPU", device.type)
                 return False
             intermediate = getattr(text, "intermediate_size", None) or 4 * (hidden or tile)

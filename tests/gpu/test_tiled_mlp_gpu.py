@@ -76,7 +76,7 @@ def test_auto_tiles_when_the_gpu_is_short_of_memory(tmp_path, monkeypatch):
 
     plain_losses, plain_w = run(False)
     assert not calls
-    monkeypatch.setattr(tiled_speedup, "process_cap", lambda device: 1 << 20)
+    monkeypatch.setattr(tiled_speedup, "gpu_limit", lambda device: 1 << 20)
     auto_losses, auto_w = run("auto")
     assert calls, "auto did not tile on a GPU short of memory"
     assert auto_losses == pytest.approx(plain_losses, rel=2e-2)
