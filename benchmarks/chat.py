@@ -1,4 +1,4 @@
-"""Chat decoding benchmark: plain ``model.generate`` vs ``nbkit.chat``'s fast path, side by side in one run.
+"""Chat decoding benchmark: plain ``model.generate`` vs ``nbkit.chat``'s fast paths, side by side in one run.
 
 Workload: a Qwen3-1.7B-shaped model with random weights, saved and loaded the way a user loads one for QLoRA
 (``benchmarks.e2e.save_random_model`` / ``load_base``: bitsandbytes NF4, double quant, bf16 compute), batch 1, a
@@ -8,9 +8,19 @@ after ``FastSFT.train()``.
 
 Paths, on the same model and prompt:
 - ``generate``: ``model.generate(input_ids, generation_config=...)``, greedy, transformers' default cache;
-- ``nbkit``: ``nbkit.graphed_decode.GraphedDecoder.generate`` with the same generation config: the decoding
-  ``nbkit.chat(fast=True)`` runs (prompt through ``generate``, then the captured step replayed).
-Stopping is switched off in both (``eos_token_id=None``) so every timed call makes exactly ``--new-tokens`` tokens.
+- ``graphed``: ``nbkit.graphed_decode.GraphedDecoder.generate`` with the same generation config (prompt through
+  ``generate``, then the model's own step replayed from CUDA graphs): ``chat(exact=True)``'s path;
+- ``dense``: ``nbkit.dense_decode.DenseDecoder.generate``: a dense copy of the weights (NF4 dequantized, LoRA merged,
+  projections fused), one CUDA graph a step: ``chat``'s default path when memory allows.
+Batched (``--batch N``, 0 to skip): N chat prompts of different lengths, left-padded, ``model.generate`` on the
+batch vs ``DenseDecoder.generate`` on the batch (``generate_answers``' two paths), tokens/s = all new tokens / s.
+Stopping is switched off everywhere (``eos_token_id=None``) so every timed call makes exactly ``--new-tokens`` tokens
+a row.
+
+Same tokens: ``identical``/``first_mismatch`` compare with ``generate``'s ids; ``audit`` holds each path's tokens to
+the model's own logits, teacher-forced on them (one forward of prompt + tokens): ``not_argmax`` counts the steps whose
+token is not the model's own best, ``max_gap`` is the largest logit gap of those, relative to the step's largest
+|logit| (0 for a path that makes the model's own greedy choice at every step).
 
 Timing: ``torch.cuda.synchronize()`` around each call, ``--warmup`` calls dropped, the median of ``--repeats``
 reported (with min and max), tokens/s = new tokens / seconds. ``first_call_s`` is the first call's time (for
@@ -20,6 +30,10 @@ token ids equal ``generate``'s, token for token.
 Prediction (written before the first run): ``generate`` at batch 1 is bound by the host issuing ~2K kernels per
 token (about 25-40 tokens/s on this model); the graphed step issues ~60 eager attention calls and ~30 graph
 replays per token, so >= 3x.
+Prediction for the dense path (written before its first run): ~15 kernels a layer, ~440 a step, ~2 us each from a
+graph (~0.9 ms), plus reading the 3.4 GB of bf16 weights at ~4 TB/s (~0.85 ms): ~1.8 ms a token, ~550 tok/s at
+batch 1 (the floor, 3.4 GB at 4.8 TB/s, is ~1,400 tok/s); at batch 32 the matmuls still read each weight once, so a
+step costs about the same: ~15,000 tok/s, against ``generate`` on the same batch host-bound at ~30 steps/s (~1,000).
 
     python -m benchmarks.chat                 # GPU
     python -m benchmarks.chat --tiny          # CPU smoke run of the script (the fast path falls back there)
@@ -38,6 +52,7 @@ import torch
 
 from nbkit.chat import greedy_config, prompt_ids
 from nbkit.demo.tokenizer import load_demo_tokenizer
+from nbkit.dense_decode import DenseDecoder
 from nbkit.graphed_decode import GraphedDecoder, Unsupported
 
 from .common import write_results
@@ -77,63 +92,115 @@ def with_lora(base: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
-def run_model(label: str, model: torch.nn.Module, tokenizer: Any, args: argparse.Namespace) -> list[dict]:
-    ids = prompt_ids(tokenizer, [{"role": "user", "content": PROMPT}], next(model.parameters()).device)
+def audit(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, rows: list[list[int]]) -> dict:
+    """Each row's tokens against the model's own logits, teacher-forced on them (see the module docstring)."""
+    tokens = torch.tensor(rows, device=ids.device)
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([ids, tokens], 1),
+                       attention_mask=torch.cat([mask, torch.ones_like(tokens)], 1)).logits
+    steps = logits[:, ids.shape[1] - 1 : -1].float()
+    best = steps.max(dim=-1).values
+    chosen = steps.gather(-1, tokens[..., None])[..., 0]
+    gap = (best - chosen) / steps.abs().amax(dim=-1)
+    return {"steps": int(gap.numel()), "not_argmax": int((gap > 0).sum()), "max_gap": float(gap.max())}
+
+
+def _timed_path(fn: Any, args: argparse.Namespace) -> tuple[float, list[float], Any, list]:
+    first_s, tokens = _timed(fn)
+    for _ in range(max(0, args.warmup - 1)):
+        _timed(fn)
+    times, drift = [], []
+    for _ in range(args.repeats):
+        seconds, again = _timed(fn)
+        times.append(seconds)
+        drift.append(_first_mismatch(_flat(again), _flat(tokens)))
+    return first_s, times, tokens, drift
+
+
+def _flat(tokens: Any) -> list[int]:
+    return [t for row in tokens for t in row] if tokens and isinstance(tokens[0], list) else tokens
+
+
+def run_model(label: str, model: torch.nn.Module, tokenizer: Any, args: argparse.Namespace,
+              batch: Any = None) -> list[dict]:
+    """Batch 1 (``batch`` None) or a left-padded ``batch``: each path timed, its tokens compared and audited."""
+    device = next(model.parameters()).device
+    if batch is None:
+        ids = prompt_ids(tokenizer, [{"role": "user", "content": PROMPT}], device)
+        mask = torch.ones_like(ids)
+    else:
+        ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
     config = greedy_config(model, tokenizer, args.new_tokens)
     config.eos_token_id = None  # every call makes exactly new_tokens tokens
-    decoder = GraphedDecoder()
-    paths = {
-        "generate": lambda: [int(t) for t in model.generate(input_ids=ids, generation_config=copy.deepcopy(config))[
-            0, ids.shape[1]:].tolist()],
-        "nbkit": lambda: decoder.generate(model, ids, config),
-    }
+    graphed, dense = GraphedDecoder(), DenseDecoder()
+
+    def plain() -> list[list[int]]:
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=copy.deepcopy(config))
+        return out[:, ids.shape[1]:].tolist()
+
+    paths = {"generate": plain, "dense": lambda: dense.generate(model, ids, config, mask)}
+    if batch is None:
+        paths["graphed"] = lambda: [graphed.generate(model, ids, config)]
     rows, reference = [], None
     for path, fn in paths.items():
-        row: dict[str, Any] = {"model": label, "path": path, "prompt_tokens": ids.shape[1],
+        row: dict[str, Any] = {"model": label, "path": path, "batch": ids.shape[0], "prompt_tokens": ids.shape[1],
                                "new_tokens": args.new_tokens}
         try:
-            first_s, tokens = _timed(fn)
-            for _ in range(max(0, args.warmup - 1)):
-                _timed(fn)
-            times, drift = [], []
-            for _ in range(args.repeats):
-                seconds, again = _timed(fn)
-                times.append(seconds)
-                drift.append(_first_mismatch(again, tokens))
-            # the same call again: the first token where it differs from the first call (None: identical)
-            row["repeat_first_mismatch"] = drift
+            first_s, times, tokens, drift = _timed_path(fn, args)
         except Unsupported as error:
             rows.append(dict(row, error=f"fast path not applicable: {error}"))
             continue
+        # the same call again: the first token where it differs from the first call (None: identical)
+        row["repeat_first_mismatch"] = drift
         median = statistics.median(times)
+        made = sum(len(r) for r in tokens)
         row.update(first_call_s=first_s, s_median=median, s_min=min(times), s_max=max(times), seconds=times,
-                   tok_per_s=len(tokens) / median, generated=len(tokens), token_ids=tokens)
+                   tok_per_s=made / median, generated=made, token_ids=tokens, audit=audit(model, ids, mask, tokens))
         if path == "generate":
             reference = tokens
         else:
-            row["capture_s"] = decoder.first_capture_s
-            row["captures"] = decoder.captures
             row["identical"] = tokens == reference
-            row["first_mismatch"] = _first_mismatch(tokens, reference)
+            row["first_mismatch"] = [_first_mismatch(a, b) for a, b in zip(tokens, reference)]
+        if path == "graphed":
+            row.update(capture_s=graphed.first_capture_s, captures=graphed.captures)
+        if path == "dense":
+            row.update(build_s=dense.build_s, captures=dense.captures,
+                       dense_gib=dense.weights.nbytes / 2**30 if dense.weights else None)
         rows.append(row)
         print({k: v for k, v in row.items() if k not in ("token_ids", "seconds")}, flush=True)
     return rows
 
 
+def batch_of(tokenizer: Any, n: int) -> Any:
+    """``n`` chat prompts of different lengths, left-padded as ``generate_answers`` pads them."""
+    words = PROMPT.split()
+    questions = [" ".join(words[: 4 + (i * 7) % (len(words) - 3)]) + f" ({i})" for i in range(n)]
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                               add_generation_prompt=True) for q in questions]
+        return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    finally:
+        tokenizer.padding_side = side
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| model | path | tok/s (median) | s per call (min-max) | speedup | first call s | capture s | "
-             "identical ids | repeats differ from token |", "|" + "---|" * 9]
-    base = {r["model"]: r for r in rows if r["path"] == "generate" and "error" not in r}
+    lines = ["| model | batch | path | tok/s (median) | s per call (min-max) | speedup | first call s | "
+             "identical ids (first differing token) | not the model's argmax (max gap) | repeats differ from token |",
+             "|" + "---|" * 10]
+    base = {(r["model"], r["batch"]): r for r in rows if r["path"] == "generate" and "error" not in r}
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['path']} | {r['error'][:90]} |" + " |" * 6)
+            lines.append(f"| {r['model']} | {r['batch']} | {r['path']} | {r['error'][:90]} |" + " |" * 6)
             continue
-        ref = base.get(r["model"])
+        ref = base.get((r["model"], r["batch"]))
         speed = f"{r['tok_per_s'] / ref['tok_per_s']:.2f}x" if ref else "-"
-        capture = f"{r['capture_s']:.2f}" if r.get("capture_s") is not None else "-"
-        same = {True: "yes", False: f"no (from token {r.get('first_mismatch')})"}.get(r.get("identical"), "-")
-        lines.append(f"| {r['model']} | {r['path']} | {r['tok_per_s']:,.1f} | {r['s_median']:.3f} "
-                     f"({r['s_min']:.3f}-{r['s_max']:.3f}) | {speed} | {r['first_call_s']:.2f} | {capture} | {same} | "
+        first = [m for m in r.get("first_mismatch") or [] if m is not None]
+        same = {True: "yes", False: f"no (from {min(first) if first else '-'})"}.get(r.get("identical"), "-")
+        a = r["audit"]
+        lines.append(f"| {r['model']} | {r['batch']} | {r['path']} | {r['tok_per_s']:,.1f} | {r['s_median']:.3f} "
+                     f"({r['s_min']:.3f}-{r['s_max']:.3f}) | {speed} | {r['first_call_s']:.2f} | {same} | "
+                     f"{a['not_argmax']} of {a['steps']} ({a['max_gap']:.4f}) | "
                      f"{', '.join('-' if d is None else str(d) for d in r['repeat_first_mismatch'])} |")
     return "\n".join(lines)
 
@@ -145,6 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="calls before the timed ones (the first is one)")
     parser.add_argument("--layers", type=int, default=None, help="shrink the model (default: all 28 layers)")
     parser.add_argument("--no-lora", action="store_true", help="only the 4-bit base")
+    parser.add_argument("--no-base", action="store_true", help="only the base with LoRA")
+    parser.add_argument("--batch", type=int, default=32, help="prompts in the batched run (0: none)")
     parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU: checks the script runs")
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() or args.tiny):
@@ -156,13 +225,17 @@ def main(argv: list[str] | None = None) -> None:
     base.generation_config.eos_token_id = None
     print(f"model {shape}: saved in {save_s:.1f} s, loaded in {load_s:.1f} s", flush=True)
     tokenizer = load_demo_tokenizer()  # its ids (< 1024) are valid for the model; only the prompt comes from it
-    rows = run_model("nf4" if not args.tiny else "tiny-fp32", base.eval(), tokenizer, args)
+    rows = [] if args.no_base else run_model("nf4" if not args.tiny else "tiny-fp32", base.eval(), tokenizer, args)
     if not args.no_lora:
-        rows += run_model("nf4+lora16" if not args.tiny else "tiny-fp32+lora16", with_lora(base), tokenizer, args)
+        label = "nf4+lora16" if not args.tiny else "tiny-fp32+lora16"
+        model = with_lora(base)
+        rows += run_model(label, model, tokenizer, args)
+        if args.batch:
+            rows += run_model(label, model, tokenizer, args, batch=batch_of(tokenizer, args.batch))
     text = table(rows)
     notes = "CPU smoke run: the figures mean nothing" if args.tiny else ""
     write_results("chat", {"load_s": load_s, "rows": rows}, notes, argv=argv, name=f"chat_{shape}")
-    print(f"\n{shape}, batch 1, {args.new_tokens} new tokens, greedy\n{text}\n", flush=True)
+    print(f"\n{shape}, {args.new_tokens} new tokens a row, greedy\n{text}\n", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,18 @@ Contract of ``chat(model, tokenizer, message_or_messages, ...) -> str``:
 - The model runs in eval mode with the KV cache on for the call, and every module gets its previous train/eval mode
   back afterwards, so ``chat`` can sit between ``FastSFT.train()`` calls, on a 4-bit or 16-bit base, with or
   without PEFT adapters.
-- ``fast=True`` on a CUDA GPU decodes through ``nbkit.graphed_decode`` (the step replayed from CUDA graphs: the same
-  tokens as ``model.generate(do_sample=False)``, in less time); where that cannot apply it logs the reason once per
-  model and runs ``model.generate``. ``fast=False`` always runs ``model.generate``.
+- ``fast=True`` on a CUDA GPU decodes through the fastest path that applies, in this order:
+  ``nbkit.dense_decode`` (a dense copy of the weights, adapters merged, one CUDA graph a step; taken when the family
+  is supported and the GPU has room for the copy; greedy tokens differ from ``generate``'s only where two logits tie
+  within rounding), then ``nbkit.graphed_decode`` (the model's own step replayed from CUDA graphs: ``generate``'s
+  tokens exactly), then ``model.generate``, logging once per model why a faster path was not taken.
+  ``exact=True`` skips the dense path (only ``generate``'s own tokens); ``fast=False`` always runs ``model.generate``.
 - Returns the answer's text, special tokens removed. ``answer(...)`` returns the token ids and the path taken too.
 
-The captured decode step is kept on the model object (``_nbkit_graphed_decoder``), so a second ``chat`` reuses it;
-it is recaptured when the model's parameters or adapters change, and copying or pickling the model drops it.
+The decoders (the dense copy, the captured steps) are kept on the model object (``_nbkit_dense_decoder``,
+``_nbkit_graphed_decoder``), so a second ``chat`` reuses them; they are rebuilt when the model's parameters or
+adapters change (training in between included), ``release_decoders(model)`` frees them (``FastSFT.train`` does),
+and copying or pickling the model drops them.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any, Callable, Sequence
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from .dense_decode import DenseDecoder
 from .graphed_decode import GraphedDecoder, Unsupported
 from .model_parts import unwrap_model
 from .reliability.stop_token import stop_token_ids
@@ -40,6 +46,7 @@ from .reliability.stop_token import stop_token_ids
 logger = logging.getLogger(__name__)
 
 _DECODER_ATTR = "_nbkit_graphed_decoder"
+_DENSE_ATTR = "_nbkit_dense_decoder"
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
 
 
@@ -49,8 +56,8 @@ class Answer:
 
     text: str
     token_ids: list[int]
-    path: str  # "graphed" or "generate"
-    reason: str | None = None  # why the graphed path was not taken
+    path: str  # "dense", "graphed" or "generate"
+    reason: str | None = None  # why the next faster path was not taken
 
 
 class _TextStream(BaseStreamer):
@@ -133,6 +140,37 @@ def _decoder(model: torch.nn.Module) -> GraphedDecoder:
     return decoder
 
 
+def dense_decoder(model: torch.nn.Module) -> DenseDecoder:
+    """The dense decoder kept on ``model`` (made on first use)."""
+    decoder = model.__dict__.get(_DENSE_ATTR)
+    if decoder is None:
+        decoder = DenseDecoder()
+        model.__dict__[_DENSE_ATTR] = decoder
+    return decoder
+
+
+def release_decoders(model: torch.nn.Module) -> None:
+    """Free the memory ``chat`` keeps on ``model`` for fast decoding (the dense copy and its buffers)."""
+    decoder = model.__dict__.get(_DENSE_ATTR)
+    if decoder is not None:
+        decoder.release()
+
+
+def dense_reason(model: torch.nn.Module, total_len: int, batch: int) -> str | None:
+    """None when the dense path applies to ``model`` here, else why (logged once per model)."""
+    decoder = dense_decoder(model)
+    reason = decoder.check(model, total_len, batch)
+    if reason is None:
+        try:
+            decoder.prepare(model, batch, total_len)
+        except Unsupported as error:
+            reason = str(error)
+    if reason is not None and not decoder.reported:
+        logger.info("nbkit: fast decoding without a dense copy: %s", reason)
+        decoder.reported = True
+    return reason
+
+
 def answer(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -142,6 +180,7 @@ def answer(
     stream: bool | Callable[[str], None] = True,
     system: str | None = None,
     fast: bool = True,
+    exact: bool = False,
 ) -> Answer:
     """``chat``, returning an ``Answer`` (text, token ids, path taken)."""
     messages = _messages(message_or_messages, system)
@@ -151,13 +190,19 @@ def answer(
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     reason = None if fast else "fast=False"
+    path = "generate"
+    total = ids.shape[1] + max_new_tokens
     try:
-        if reason is None:
+        if reason is None and not exact:
+            reason = dense_reason(model, total, 1)
+            path = "dense" if reason is None else path
+        if path != "dense" and fast:
             decoder = _decoder(model)
-            reason = decoder.check(model, ids.shape[1] + max_new_tokens)
+            reason = decoder.check(model, total)
             if reason is None:
                 try:
-                    decoder.prepare(model, ids.shape[1] + max_new_tokens)
+                    decoder.prepare(model, total)
+                    path = "graphed"
                 except Unsupported as error:
                     reason = str(error)
             if reason is not None and not decoder.reported:
@@ -165,16 +210,16 @@ def answer(
                 decoder.reported = True
         out = _TextStream(tokenizer, sink, skip_first=False) if sink else None
         with torch.no_grad():
-            if reason is None:
+            if path == "dense":
+                tokens = _dense_tokens(model, ids, config, out)
+            elif path == "graphed":
                 put = (lambda t: out.put(torch.tensor([t]))) if out else None
-                tokens = decoder.generate(model, ids, config, on_token=put)
-                path = "graphed"
+                tokens = _decoder(model).generate(model, ids, config, on_token=put)
             else:
                 if out:
                     out._skip = True  # generate puts the prompt first
                 seq = model.generate(input_ids=ids, generation_config=config, streamer=out)
                 tokens = [int(t) for t in seq[0, ids.shape[1]:].tolist()]
-                path = "generate"
         if out:
             out.end()
             if sink is _print:
@@ -186,6 +231,20 @@ def answer(
     return Answer(text, tokens, path, reason)
 
 
+def _dense_tokens(model: torch.nn.Module, ids: torch.Tensor, config: Any, out: _TextStream | None) -> list[int]:
+    stops = config.eos_token_id
+    stops = {stops} if isinstance(stops, int) else set(stops or [])
+    done = []
+
+    def put(chunk: torch.Tensor) -> None:
+        for token in chunk[0].tolist():
+            if not done:
+                out.put(torch.tensor([token]))
+                done.extend([True] if token in stops else [])
+
+    return dense_decoder(model).generate(model, ids, config, on_tokens=put if out else None)[0]
+
+
 def chat(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -195,7 +254,8 @@ def chat(
     stream: bool | Callable[[str], None] = True,
     system: str | None = None,
     fast: bool = True,
+    exact: bool = False,
 ) -> str:
     """Answer ``message_or_messages`` greedily with the chat template, streaming it (see the module docstring)."""
     return answer(model, tokenizer, message_or_messages, max_new_tokens=max_new_tokens, stream=stream,
-                  system=system, fast=fast).text
+                  system=system, fast=fast, exact=exact).text

@@ -26,6 +26,7 @@ from trl import SFTConfig, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from . import speedups
+from .chat import release_decoders
 from .config import FastSFTConfig, read_numbers
 from .reliability.trainer_mixin import ReliableTraining
 from .speedups.ledger import Speedup
@@ -143,6 +144,7 @@ class FastSFT(ReliableTraining, SFTTrainer):
         """``SFTTrainer.train`` inside ``_nbkit_run``; ``resume_from_checkpoint=True`` picks the newest complete
         checkpoint (a damaged one named explicitly fails here, before anything is attached)."""
         resume_from_checkpoint = self.nbkit_prepare_resume(resume_from_checkpoint)
+        release_decoders(self.model)  # a dense copy kept by chat() takes memory training needs
         with self._nbkit_run():
             return self.nbkit_reliably(super().train, resume_from_checkpoint, *args, **kwargs)
 

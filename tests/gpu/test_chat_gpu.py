@@ -1,4 +1,5 @@
-"""``nbkit.chat``'s fast path on a CUDA GPU: the captured decode step gives generate's greedy tokens exactly.
+"""``nbkit.chat``'s graphed path on a CUDA GPU (``exact=True``): the captured decode step gives generate's greedy
+tokens exactly. (The dense path, taken first without ``exact``, is tests/gpu/test_dense_decode_gpu.py's.)
 
 Exactness, not a tolerance: the fast path replays the same kernels on the same shapes, so the token ids must equal
 ``model.generate(do_sample=False)``'s one for one (and the logits of a step bit for bit).
@@ -62,7 +63,7 @@ def test_graphed_tokens_equal_generate(tok, family, dtype):
 
     model = _model(tok, family, dtype)
     for prompt in PROMPTS:
-        got = answer(model, tok, prompt, max_new_tokens=64, stream=False)
+        got = answer(model, tok, prompt, max_new_tokens=64, stream=False, exact=True)
         assert got.path == "graphed", got.reason
         assert got.token_ids == _plain(model, tok, prompt, 64)
 
@@ -85,13 +86,13 @@ def test_graphed_tokens_equal_generate_on_a_4bit_base_with_lora(tok):
     q.generation_config.eos_token_id = None
     model = _lora(q)
     model.train()
-    got = answer(model, tok, PROMPTS[1], max_new_tokens=48, stream=False)
+    got = answer(model, tok, PROMPTS[1], max_new_tokens=48, stream=False, exact=True)
     assert got.path == "graphed", got.reason
     assert model.training and all(m.training for m in model.modules())
     model.eval()
     assert got.token_ids == _plain(model, tok, PROMPTS[1], 48)
     with model.disable_adapter():  # the adapters' switch changes the step: recaptured, still exact
-        off = answer(model, tok, PROMPTS[1], max_new_tokens=48, stream=False)
+        off = answer(model, tok, PROMPTS[1], max_new_tokens=48, stream=False, exact=True)
         assert off.token_ids == _plain(model, tok, PROMPTS[1], 48)
     assert off.token_ids != got.token_ids
 
@@ -100,15 +101,15 @@ def test_a_second_chat_reuses_the_capture_and_a_weight_update_is_seen(tok):
     from nbkit.chat import _DECODER_ATTR, answer
 
     model = _lora(_model(tok, "qwen3", torch.bfloat16))
-    first = answer(model, tok, PROMPTS[0], max_new_tokens=32, stream=False)
+    first = answer(model, tok, PROMPTS[0], max_new_tokens=32, stream=False, exact=True)
     decoder = model.__dict__[_DECODER_ATTR]
-    answer(model, tok, PROMPTS[1], max_new_tokens=32, stream=False)
+    answer(model, tok, PROMPTS[1], max_new_tokens=32, stream=False, exact=True)
     assert decoder.captures == 1
     with torch.no_grad():  # an optimizer step updates parameters in place: the graphs read them where they are
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.mul_(-3.0)
-    again = answer(model, tok, PROMPTS[0], max_new_tokens=32, stream=False)
+    again = answer(model, tok, PROMPTS[0], max_new_tokens=32, stream=False, exact=True)
     assert decoder.captures == 1
     assert again.token_ids == _plain(model, tok, PROMPTS[0], 32) != first.token_ids
 
@@ -121,7 +122,7 @@ def test_streamed_text_is_the_answer_and_it_stops_at_end_of_turn(tok):
     stop = plain[5]  # a token the model is known to produce: make it the end-of-turn id
     model.generation_config.eos_token_id = stop
     pieces = []
-    got = answer(model, tok, PROMPTS[0], max_new_tokens=40, stream=pieces.append)
+    got = answer(model, tok, PROMPTS[0], max_new_tokens=40, stream=pieces.append, exact=True)
     assert got.path == "graphed"
     assert got.token_ids == plain[: plain.index(stop) + 1]
     assert "".join(pieces) == got.text
