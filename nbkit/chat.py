@@ -198,14 +198,15 @@ def answer(
             path = "dense" if reason is None else path
         if path != "dense" and fast:
             decoder = _decoder(model)
-            reason = decoder.check(model, total)
-            if reason is None:
+            graphed_reason = decoder.check(model, total)
+            if graphed_reason is None:
                 try:
                     decoder.prepare(model, total)
                     path = "graphed"
                 except Unsupported as error:
-                    reason = str(error)
-            if reason is not None and not decoder.reported:
+                    graphed_reason = str(error)
+            reason = graphed_reason or reason  # why generate, or else why not dense
+            if graphed_reason is not None and not decoder.reported:
                 logger.warning("nbkit chat: decoding with model.generate: %s", reason)
                 decoder.reported = True
         out = _TextStream(tokenizer, sink, skip_first=False) if sink else None

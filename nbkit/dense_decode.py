@@ -224,32 +224,13 @@ class _State:
 def decode_step(w: DenseWeights, s: _State) -> None:
     """One greedy step for every row: attend at ``s.slot``, write the next token, advance. Only in-place writes to
     ``s``'s tensors; no host sync and no value read on the host, so it can be captured and replayed as it is."""
-    b, h, kv, d = s.batch, w.heads, w.kv_heads, w.head_dim
     x = F.embedding(s.ids, w.embed)  # (b, hidden)
     cos, sin = s.cos.index_select(0, s.pos), s.sin.index_select(0, s.pos)
     rope = torch.diag_embed(cos) + s.sign * sin[:, None, :]  # (b, d, d): q @ rope = q * cos + rotate_half(q) * sin
     s.mask.index_fill_(3, s.slot, 0.0)
+    for layer, keys, values in zip(w.layers, s.keys, s.values):
+        x = layer_step(x, layer, keys, values, s.mask, s.slot, rope, w.heads, w.kv_heads, w.eps, w.scaling)
     hidden = x.shape[-1]
-    for i, layer in enumerate(w.layers):
-        n = F.rms_norm(x, (hidden,), layer.ln1, w.eps)
-        qkv = F.linear(n, layer.wqkv, layer.bqkv)
-        qk = qkv[:, : (h + kv) * d].reshape(b, h + kv, d)
-        if layer.qk_norm is not None:
-            qk = F.rms_norm(qk, (d,), None, w.eps) * layer.qk_norm
-        qk = torch.bmm(qk, rope)
-        s.keys[i].index_copy_(2, s.slot, qk[:, h:, None, :])
-        s.values[i].index_copy_(2, s.slot, qkv[:, (h + kv) * d :].reshape(b, kv, 1, d))
-        q = qk[:, :h].reshape(b, kv, h // kv, d)  # a kv head's query heads as its query rows: one mask for all
-        a = F.scaled_dot_product_attention(q, s.keys[i], s.values[i], attn_mask=s.mask, scale=w.scaling)
-        x = torch.addmm(x, a.reshape(b, h * d), layer.wo.t())
-        if layer.bo is not None:
-            x = x + layer.bo
-        n = F.rms_norm(x, (hidden,), layer.ln2, w.eps)
-        gu = F.linear(n, layer.wgu, layer.bgu)
-        m = F.silu(gu[:, : w.intermediate]) * gu[:, w.intermediate :]
-        x = torch.addmm(x, m, layer.wd.t())
-        if layer.bd is not None:
-            x = x + layer.bd
     logits = F.linear(F.rms_norm(x, (hidden,), w.final_norm, w.eps), w.lm_head)
     s.logits.copy_(logits)
     nxt = torch.where(s.unfinished, logits.argmax(dim=-1), s.pad)
@@ -258,6 +239,34 @@ def decode_step(w: DenseWeights, s: _State) -> None:
     s.ids.copy_(nxt)
     s.slot += 1
     s.pos += 1
+
+
+def layer_step(x: torch.Tensor, layer: _Layer, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+               slot: torch.Tensor, rope: torch.Tensor, h: int, kv: int, eps: float, scaling: float) -> torch.Tensor:
+    """One decoder layer on one token a row: ``x`` (b, hidden) in, the next residual stream out; writes the row's
+    key and value at ``slot``."""
+    b, hidden = x.shape
+    d = rope.shape[-1]
+    n = F.rms_norm(x, (hidden,), layer.ln1, eps)
+    qkv = F.linear(n, layer.wqkv, layer.bqkv)
+    qk = qkv[:, : (h + kv) * d].reshape(b, h + kv, d)
+    if layer.qk_norm is not None:
+        qk = F.rms_norm(qk, (d,), None, eps) * layer.qk_norm
+    qk = torch.bmm(qk, rope)
+    keys.index_copy_(2, slot, qk[:, h:, None, :])
+    values.index_copy_(2, slot, qkv[:, (h + kv) * d :].reshape(b, kv, 1, d))
+    q = qk[:, :h].reshape(b, kv, h // kv, d)  # a kv head's query heads as its query rows: one mask for all
+    a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+    x = torch.addmm(x, a.reshape(b, h * d), layer.wo.t())
+    if layer.bo is not None:
+        x = x + layer.bo
+    n = F.rms_norm(x, (hidden,), layer.ln2, eps)
+    gu = F.linear(n, layer.wgu, layer.bgu)
+    half = gu.shape[-1] // 2
+    x = torch.addmm(x, F.silu(gu[:, :half]) * gu[:, half:], layer.wd.t())
+    if layer.bd is not None:
+        x = x + layer.bd
+    return x
 
 
 def _supported(model: torch.nn.Module, total_len: int) -> str | None:
@@ -347,8 +356,13 @@ class DenseDecoder:
         if self.weights is None or signature != self._signature:
             self.release()
             t0 = time.perf_counter()
-            with torch.no_grad():
-                self.weights = DenseWeights(model)
+            try:
+                with torch.no_grad():
+                    self.weights = DenseWeights(model)
+            except Unsupported:
+                raise
+            except Exception as error:  # a layout this copy does not know: say so, decode another way
+                raise Unsupported(f"its weights cannot be copied ({type(error).__name__}: {error})") from error
             self.build_s = time.perf_counter() - t0
             self._signature = signature
         state, graph = self._states.get(batch, (None, None))
@@ -402,9 +416,8 @@ class DenseDecoder:
         state = self.prepare(model, batch, prompt_len + max_new)
         graph = self._states[batch][1]
         first = copy.deepcopy(config)
-        first.max_new_tokens = 1
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=first,
-                             return_dict_in_generate=True)
+        first.max_new_tokens, first.return_dict_in_generate = 1, True
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=first)
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         token = out.sequences[:, -1]
         for keys, values, cached in zip(state.keys, state.values, cache.layers):

@@ -161,6 +161,10 @@ def test_what_it_cannot_take_is_refused_with_a_reason(tok, one_thread, monkeypat
     with pytest.raises(Exception, match="DoRA"):
         decoder.prepare(dora, 1, 64)
     assert "DoRA" in decoder.check(dora, 64)  # remembered until the model changes
+    saved = _lora(_tiny(tok, "qwen3"), modules_to_save=["embed_tokens"])
+    decoder = DenseDecoder(graphs=False)
+    with pytest.raises(Exception, match="input embeddings of type"):
+        decoder.prepare(saved, 1, 64)
     import nbkit.dense_decode as dense
 
     monkeypatch.setattr(dense.memory, "room_for", lambda device, nbytes: False)
