@@ -274,7 +274,9 @@ md_table(["question", "expected", "before", "after"],
 # ## Chat with it
 #
 # `nbkit.chat.chat` applies the chat template, streams the answer as it is generated and stops at the template's
-# end-of-turn token; on a GPU it decodes through a captured CUDA-graph step (the same tokens as `generate`, faster).
+# end-of-turn token. On a GPU with room for it, it decodes from a dense copy of the model (4-bit weights dequantized,
+# LoRA merged), one CUDA graph a step, ~20x `generate`'s speed; a token can differ from `generate`'s only where two
+# logits tie within rounding (`chat(..., exact=True)` gives `generate`'s tokens exactly, more slowly).
 
 # %%
 from nbkit.chat import chat
