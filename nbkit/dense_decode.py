@@ -1,10 +1,10 @@
-"""Greedy decoding on a dense copy of the model, one CUDA graph a step: chat and batched answers near the bandwidth
-limit, when the GPU has room for the copy.
+"""Greedy decoding on a dense copy of the model, one CUDA graph a step: chat and batched answers at several times
+the speed of the model's own step, when the GPU has room for the copy.
 
 Why: a decode step of a 4-bit model with LoRA adapters, run through transformers, bitsandbytes and PEFT, is ~50
-small kernels a layer, and most of the step is the GPU waiting between them (``graphed_decode`` replays them, but
-keeps them). This path decodes from a copy of the weights made once: each projection's 4-bit weight dequantized, its
-active LoRA adapters merged in (``W + scale * B @ A``, in float32, rounded once to the compute dtype), q/k/v fused
+kernels a layer, most of them tiny (``graphed_decode`` replays them without the host, but keeps them all). This path
+decodes from a copy of the weights made once: each projection's 4-bit weight dequantized, its active LoRA adapters
+merged in (``W + scale * B @ A``, in float32, rounded once to the compute dtype), q/k/v fused
 into one matrix and gate/up into another. A step is then ~15 kernels a layer (fused projections, the residual added
 inside the output matmuls, rotary embedding as one batched matmul, attention over fixed key/value buffers under a
 mask), recorded once as a single CUDA graph that also picks the next token and advances the position, so decoding is
