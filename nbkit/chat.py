@@ -132,21 +132,21 @@ def greedy_config(model: torch.nn.Module, tokenizer: Any, max_new_tokens: int) -
     return config
 
 
+def _kept(model: torch.nn.Module, attr: str, make: Callable[[], Any]) -> Any:
+    """The decoder kept on ``model`` under ``attr`` (made on first use; not a module or parameter, so copying or
+    pickling the model drops it)."""
+    if attr not in model.__dict__:
+        model.__dict__[attr] = make()
+    return model.__dict__[attr]
+
+
 def _decoder(model: torch.nn.Module) -> GraphedDecoder:
-    decoder = model.__dict__.get(_DECODER_ATTR)
-    if decoder is None:
-        decoder = GraphedDecoder()
-        model.__dict__[_DECODER_ATTR] = decoder
-    return decoder
+    return _kept(model, _DECODER_ATTR, GraphedDecoder)
 
 
 def dense_decoder(model: torch.nn.Module) -> DenseDecoder:
     """The dense decoder kept on ``model`` (made on first use)."""
-    decoder = model.__dict__.get(_DENSE_ATTR)
-    if decoder is None:
-        decoder = DenseDecoder()
-        model.__dict__[_DENSE_ATTR] = decoder
-    return decoder
+    return _kept(model, _DENSE_ATTR, DenseDecoder)
 
 
 def release_decoders(model: torch.nn.Module) -> None:
@@ -235,13 +235,14 @@ def answer(
 def _dense_tokens(model: torch.nn.Module, ids: torch.Tensor, config: Any, out: _TextStream | None) -> list[int]:
     stops = config.eos_token_id
     stops = {stops} if isinstance(stops, int) else set(stops or [])
-    done = []
+    streamed: list[int] = []
 
-    def put(chunk: torch.Tensor) -> None:
+    def put(chunk: torch.Tensor) -> None:  # chunks run past the stop id (pads): stream up to and including it
         for token in chunk[0].tolist():
-            if not done:
-                out.put(torch.tensor([token]))
-                done.extend([True] if token in stops else [])
+            if streamed and streamed[-1] in stops:
+                return
+            streamed.append(token)
+            out.put(torch.tensor([token]))
 
     return dense_decoder(model).generate(model, ids, config, on_tokens=put if out else None)[0]
 
