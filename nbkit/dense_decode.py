@@ -5,19 +5,23 @@ Why: a decode step of a 4-bit model with LoRA adapters, run through transformers
 kernels a layer, most of them tiny (``graphed_decode`` replays them without the host, but keeps them all). This path
 decodes from a copy of the weights made once: each projection's 4-bit weight dequantized, its active LoRA adapters
 merged in (``W + scale * B @ A``, in float32, rounded once to the compute dtype), q/k/v fused
-into one matrix and gate/up into another. A step is then ~15 kernels a layer (fused projections, the residual added
-inside the output matmuls, rotary embedding as one batched matmul, attention over fixed key/value buffers under a
-mask), recorded once as a single CUDA graph that also picks the next token and advances the position, so decoding is
-one ``replay()`` a token with no host sync until the tokens are read.
+into one matrix and gate/up into another. A step is then ~10 kernels a layer: four matmuls (the residual added inside
+the output ones) and, on a CUDA device, one Triton kernel each for the two norms, q/k norm + rotary + key/value
+write, attention over fixed key/value buffers under a mask, and the SiLU product (``nbkit.ops.decode_kernels``). The
+step is recorded once as a single CUDA graph that also picks the next token and advances the position, so decoding
+is one ``replay()`` a token with no host sync until the tokens are read. The prompt goes through the same copy
+in one eager pass.
 
 Contract:
 - ``check(model, ...)`` returns None or the reason this path does not apply (no CUDA, a family outside
   ``FAMILIES``, a quantization or adapter kind it cannot merge, a generation config that changes greedy choices,
-  sliding windows shorter than the conversation, not enough memory). The rule for memory: the dense copy plus its
-  key/value buffers must fit twice over between what the process holds and its limit (``nbkit.memory.room_for``).
+  sliding windows shorter than the conversation, not enough memory). The rule for memory: the dense copy, its
+  key/value buffers and the prompt's activations must fit twice over between what the process holds and its limit
+  (``nbkit.memory.room_for``).
 - ``generate(model, input_ids, attention_mask, ...)`` decodes a left-padded batch greedily: the prompt goes through
-  ``model.generate(max_new_tokens=1)`` (so the first token is ``generate``'s), its key/value cache is copied into the
-  buffers, then the captured step runs. Rows that emitted a stop id get the pad id afterwards, as in ``generate``.
+  the dense copy at once (``prefill``, positions and masks as ``generate``'s), writing the key/value buffers and
+  giving the first token, then the captured step runs. Rows that emitted a stop id get the pad id afterwards, as in
+  ``generate``.
 - The dense copy is rebuilt when any parameter of the model changes (its storage or its in-place version counter:
   training between two chats) or the adapters are switched; ``release()`` frees it.
 - Tokens: the same arithmetic as the model's step, in other kernels (merged and fused matmuls, dense instead of
@@ -27,7 +31,6 @@ Contract:
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -39,6 +42,8 @@ import torch.nn.functional as F
 from . import memory
 from .graphed_decode import Unsupported, greedy_changers
 from .model_parts import unwrap_model
+from .ops import decode_gemv as gemv
+from .ops import decode_kernels as kernels
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +68,8 @@ class _Layer:
     bgu: torch.Tensor | None
     wd: torch.Tensor
     bd: torch.Tensor | None
-    qk_norm: torch.Tensor | None  # Qwen3: q_norm's weight repeated per q head, then k_norm's per kv head
+    q_norm: torch.Tensor | None  # Qwen3: the per-head norms of queries and keys
+    k_norm: torch.Tensor | None
 
 
 def _dense(module: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -151,6 +157,7 @@ class DenseWeights:
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(config.num_key_value_heads)
         self.scaling = float(first.scaling)
+        self.hidden = int(config.hidden_size)
         self.layers: list[_Layer] = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -159,13 +166,13 @@ class DenseWeights:
             gu = _fused([_dense(mlp.gate_proj, self.dtype), _dense(mlp.up_proj, self.dtype)])
             wo, bo = _dense(attn.o_proj, self.dtype)
             wd, bd = _dense(mlp.down_proj, self.dtype)
-            qk_norm = None
+            q_norm = k_norm = None
             if hasattr(attn, "q_norm"):
-                qk_norm = torch.cat([attn.q_norm.weight.detach().expand(self.heads, -1),
-                                     attn.k_norm.weight.detach().expand(self.kv_heads, -1)]).to(self.dtype)
+                q_norm, k_norm = (attn.q_norm.weight.detach().to(self.dtype),
+                                  attn.k_norm.weight.detach().to(self.dtype))
             self.layers.append(_Layer(layer.input_layernorm.weight.detach().to(self.dtype),
                                       layer.post_attention_layernorm.weight.detach().to(self.dtype),
-                                      qkv[0], qkv[1], wo, bo, gu[0], gu[1], wd, bd, qk_norm))
+                                      qkv[0], qkv[1], wo, bo, gu[0], gu[1], wd, bd, q_norm, k_norm))
         self.intermediate = self.layers[0].wgu.shape[0] // 2
         self.nbytes = sum(t.numel() * t.element_size() for layer in self.layers for t in vars(layer).values()
                           if isinstance(t, torch.Tensor))
@@ -201,7 +208,7 @@ class _State:
         self.unfinished = torch.ones(batch, dtype=torch.bool, device=device)
         self.stops = torch.full((_STOPS,), -1, dtype=torch.long, device=device)
         self.pad = torch.zeros((), dtype=torch.long, device=device)
-        self.mask = torch.zeros((batch, 1, 1, capacity), dtype=dtype, device=device)
+        self.mask = torch.zeros((batch, capacity), dtype=dtype, device=device)
         self.tokens = torch.zeros((batch, capacity), dtype=torch.long, device=device)
         self.logits = torch.zeros((batch, weights.lm_head.shape[0]), dtype=dtype, device=device)  # the last step's
         shape = (batch, kv, capacity, d)
@@ -212,26 +219,22 @@ class _State:
         with torch.no_grad():
             cos, sin = weights.rotary(probe, positions)
         self.cos, self.sin = cos[0].to(dtype), sin[0].to(dtype)  # (capacity, head_dim)
-        half = d // 2
-        sign = torch.zeros((d, d), dtype=dtype, device=device)  # rotate_half as a matrix: x @ sign
-        idx = torch.arange(half, device=device)
-        sign[idx + half, idx] = -1
-        sign[idx, idx + half] = 1
-        self.sign = sign
 
 
-
-def decode_step(w: DenseWeights, s: _State) -> None:
+def decode_step(w: DenseWeights, s: _State, use_triton: bool = False, fused: bool = False) -> None:
     """One greedy step for every row: attend at ``s.slot``, write the next token, advance. Only in-place writes to
-    ``s``'s tensors; no host sync and no value read on the host, so it can be captured and replayed as it is."""
+    ``s``'s tensors; no host sync and no value read on the host, so it can be captured and replayed as it is.
+    ``use_triton``: the step's small ops as ``nbkit.ops.decode_kernels``' Triton kernels (else their torch
+    references); ``fused`` (one row, with ``use_triton``): the projections as ``nbkit.ops.decode_gemv``'s kernel
+    with the norms, the SiLU product and the residuals fused in."""
     x = F.embedding(s.ids, w.embed)  # (b, hidden)
-    cos, sin = s.cos.index_select(0, s.pos), s.sin.index_select(0, s.pos)
-    rope = torch.diag_embed(cos) + s.sign * sin[:, None, :]  # (b, d, d): q @ rope = q * cos + rotate_half(q) * sin
-    s.mask.index_fill_(3, s.slot, 0.0)
+    s.mask.index_fill_(1, s.slot, 0.0)
     for layer, keys, values in zip(w.layers, s.keys, s.values):
-        x = layer_step(x, layer, keys, values, s.mask, s.slot, rope, w.heads, w.kv_heads, w.eps, w.scaling)
-    hidden = x.shape[-1]
-    logits = F.linear(F.rms_norm(x, (hidden,), w.final_norm, w.eps), w.lm_head)
+        if fused:
+            x = fused_layer_step(x, layer, keys, values, s, w)
+        else:
+            x = layer_step(x, layer, keys, values, s, w, use_triton)
+    logits = F.linear(kernels.rms_norm(x, w.final_norm, w.eps, use_triton), w.lm_head)
     s.logits.copy_(logits)
     nxt = torch.where(s.unfinished, logits.argmax(dim=-1), s.pad)
     s.tokens.index_copy_(1, s.slot, nxt[:, None])
@@ -241,32 +244,72 @@ def decode_step(w: DenseWeights, s: _State) -> None:
     s.pos += 1
 
 
-def layer_step(x: torch.Tensor, layer: _Layer, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-               slot: torch.Tensor, rope: torch.Tensor, h: int, kv: int, eps: float, scaling: float) -> torch.Tensor:
+def layer_step(x: torch.Tensor, layer: _Layer, keys: torch.Tensor, values: torch.Tensor, s: _State,
+               w: DenseWeights, use_triton: bool = False) -> torch.Tensor:
     """One decoder layer on one token a row: ``x`` (b, hidden) in, the next residual stream out; writes the row's
-    key and value at ``slot``."""
-    b, hidden = x.shape
-    d = rope.shape[-1]
-    n = F.rms_norm(x, (hidden,), layer.ln1, eps)
+    key and value at ``s.slot``."""
+    b = x.shape[0]
+    n = kernels.rms_norm(x, layer.ln1, w.eps, use_triton)
     qkv = F.linear(n, layer.wqkv, layer.bqkv)
-    qk = qkv[:, : (h + kv) * d].reshape(b, h + kv, d)
-    if layer.qk_norm is not None:
-        qk = F.rms_norm(qk, (d,), None, eps) * layer.qk_norm
-    qk = torch.bmm(qk, rope)
-    keys.index_copy_(2, slot, qk[:, h:, None, :])
-    values.index_copy_(2, slot, qkv[:, (h + kv) * d :].reshape(b, kv, 1, d))
-    q = qk[:, :h].reshape(b, kv, h // kv, d)  # a kv head's query heads as its query rows: one mask for all
-    a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
-    x = torch.addmm(x, a.reshape(b, h * d), layer.wo.t())
+    q = kernels.qk_rope_cache(qkv, keys, values, layer.q_norm, layer.k_norm, s.cos, s.sin, s.pos, s.slot, w.heads,
+                              w.eps, use_triton)
+    a = kernels.decode_attention(q, keys, values, s.mask, s.slot, w.scaling, use_triton)
+    x = torch.addmm(x, a.reshape(b, -1), layer.wo.t())
     if layer.bo is not None:
         x = x + layer.bo
-    n = F.rms_norm(x, (hidden,), layer.ln2, eps)
-    gu = F.linear(n, layer.wgu, layer.bgu)
-    half = gu.shape[-1] // 2
-    x = torch.addmm(x, F.silu(gu[:, :half]) * gu[:, half:], layer.wd.t())
+    n = kernels.rms_norm(x, layer.ln2, w.eps, use_triton)
+    x = torch.addmm(x, kernels.silu_mul(F.linear(n, layer.wgu, layer.bgu), use_triton), layer.wd.t())
     if layer.bd is not None:
         x = x + layer.bd
     return x
+
+
+def fused_layer_step(x: torch.Tensor, layer: _Layer, keys: torch.Tensor, values: torch.Tensor, s: _State,
+                     w: DenseWeights) -> torch.Tensor:
+    """``layer_step`` for one row in six kernels: four one-row matmuls (norm, SiLU product, bias and residual fused
+    in), q/k norm + rotary + key/value write, and attention (+ its combine when the keys are split)."""
+    qkv = gemv.gemv(x, layer.wqkv, layer.bqkv, norm=layer.ln1, eps=w.eps, use_triton=True)
+    q = kernels.qk_rope_cache(qkv, keys, values, layer.q_norm, layer.k_norm, s.cos, s.sin, s.pos, s.slot, w.heads,
+                              w.eps, True)
+    a = kernels.decode_attention(q, keys, values, s.mask, s.slot, w.scaling, True)
+    x = gemv.gemv(a.reshape(1, -1), layer.wo, layer.bo, residual=x, use_triton=True)
+    gu = gemv.gemv(x, layer.wgu, layer.bgu, norm=layer.ln2, eps=w.eps, use_triton=True)
+    return gemv.gemv(gu, layer.wd, layer.bd, glu=True, residual=x, use_triton=True)
+
+
+def prefill(w: DenseWeights, s: _State, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Run the left-padded prompts (B, P) through the dense copy at once: their keys and values are written to
+    slots 0..P-1, the last position's logits to ``s.logits``; returns the first greedy token of each row. Positions
+    and masking as ``generate``'s (a padded query sees itself only; no one sees a padded key)."""
+    b, p = input_ids.shape
+    h, kv, d = w.heads, w.kv_heads, w.head_dim
+    keep = attention_mask.bool()
+    pos = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+    cos, sin = s.cos[pos][:, :, None], s.sin[pos][:, :, None]  # (b, p, 1, d)
+    causal = torch.ones((p, p), dtype=torch.bool, device=input_ids.device).tril()
+    diagonal = torch.eye(p, dtype=torch.bool, device=input_ids.device)
+    seen = ((causal[None] & keep[:, None, :]) | diagonal[None])[:, None]  # (b, 1, p, p)
+    x = F.embedding(input_ids, w.embed)
+    for layer, keys, values in zip(w.layers, s.keys, s.values):
+        qkv = F.linear(kernels.rms_norm_ref(x, layer.ln1, w.eps), layer.wqkv, layer.bqkv)
+        q = qkv[..., : h * d].reshape(b, p, h, d)
+        k = qkv[..., h * d : (h + kv) * d].reshape(b, p, kv, d)
+        if layer.q_norm is not None:
+            q, k = kernels.rms_norm_ref(q, layer.q_norm, w.eps), kernels.rms_norm_ref(k, layer.k_norm, w.eps)
+        q = kernels.rotate(q, cos, sin).transpose(1, 2)
+        k = kernels.rotate(k, cos, sin).transpose(1, 2)
+        v = qkv[..., (h + kv) * d :].reshape(b, p, kv, d).transpose(1, 2)
+        keys[:, :, :p].copy_(k)
+        values[:, :, :p].copy_(v)
+        a = F.scaled_dot_product_attention(q, k.repeat_interleave(h // kv, 1), v.repeat_interleave(h // kv, 1),
+                                           attn_mask=seen, scale=w.scaling)
+        x = x + F.linear(a.transpose(1, 2).reshape(b, p, h * d), layer.wo, layer.bo)
+        n = kernels.rms_norm_ref(x, layer.ln2, w.eps)
+        x = x + F.linear(kernels.silu_mul_ref(F.linear(n, layer.wgu, layer.bgu).reshape(b * p, -1)).reshape(b, p, -1),
+                         layer.wd, layer.bd)
+    logits = F.linear(kernels.rms_norm_ref(x[:, -1], w.final_norm, w.eps), w.lm_head)
+    s.logits.copy_(logits)
+    return logits.argmax(dim=-1)
 
 
 def _supported(model: torch.nn.Module, total_len: int) -> str | None:
@@ -298,11 +341,17 @@ class DenseDecoder:
     """Greedy decoding through a dense copy and one captured step (see the module docstring).
 
     ``graphs=False`` runs the same step eagerly (any device): what the CPU tests compare with ``generate``.
-    ``build_s`` is the time the last dense copy took; ``captures`` counts the captured steps.
+    ``kernels``: "auto" (the step's small ops as Triton kernels on a CUDA device where they take the head size,
+    else torch), "triton" or "torch". ``build_s`` is the time the last dense copy took; ``captures`` counts the
+    captured steps.
     """
 
-    def __init__(self, graphs: bool = True) -> None:
+    def __init__(self, graphs: bool = True, kernels: str = "auto", fused: bool = True) -> None:
+        if kernels not in ("auto", "triton", "torch"):
+            raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', not {kernels!r}")
         self.graphs = graphs
+        self.kernels = kernels
+        self.fused = fused
         self.weights: DenseWeights | None = None
         self.build_s: float | None = None
         self.captures = 0
@@ -314,6 +363,19 @@ class DenseDecoder:
     def release(self) -> None:
         """Free the dense copy, buffers and graphs (they are rebuilt on the next call)."""
         self.weights, self._signature, self._states = None, None, {}
+
+    def uses_triton(self) -> bool:
+        """Whether the step's small ops run as Triton kernels (decided from the dense copy; False before one)."""
+        w = self.weights
+        if w is None or self.kernels == "torch":
+            return False
+        if self.kernels == "triton":
+            return True
+        return w.embed.is_cuda and kernels.supported(w.head_dim)
+
+    def _step(self, state: _State) -> None:
+        triton_ops = self.uses_triton()
+        decode_step(self.weights, state, triton_ops, self.fused and triton_ops and state.batch == 1)
 
     def check(self, model: torch.nn.Module, total_len: int, batch: int = 1) -> str | None:
         """None if ``model`` can decode ``batch`` rows of up to ``total_len`` positions here, else the reason."""
@@ -337,6 +399,9 @@ class DenseDecoder:
         capacity = -(-total_len // _BLOCK) * _BLOCK
         size = torch.tensor([], dtype=_compute_dtype(base)).element_size()
         need += 2 * size * len(base.model.layers) * batch * int(config.num_key_value_heads) * capacity * head_dim
+        width = 2 * int(config.intermediate_size) + (int(config.num_attention_heads) + 2 * int(
+            config.num_key_value_heads)) * head_dim + 4 * int(config.hidden_size)
+        need += size * batch * total_len * width  # the prompt's activations, one layer at a time
         if not memory.room_for(device, need):
             return f"not enough free GPU memory for a dense copy ({memory.fmt_bytes(need)}, twice over)"
         return None
@@ -378,17 +443,16 @@ class DenseDecoder:
 
     def _capture(self, state: _State) -> Any:
         """Record ``decode_step`` on ``state`` as one CUDA graph (after a warm-up on a side stream)."""
-        weights = self.weights
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), torch.cuda.stream(stream):
             for _ in range(2):
-                decode_step(weights, state)
+                self._step(state)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.no_grad(), torch.cuda.graph(graph):
-                decode_step(weights, state)
+                self._step(state)
         except Exception as error:
             raise Unsupported(f"its dense step cannot be captured ({type(error).__name__}: {error})") from error
         self.captures += 1
@@ -415,18 +479,10 @@ class DenseDecoder:
             raise Unsupported(reason)
         state = self.prepare(model, batch, prompt_len + max_new)
         graph = self._states[batch][1]
-        first = copy.deepcopy(config)
-        first.max_new_tokens, first.return_dict_in_generate = 1, True
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=first)
-        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-        token = out.sequences[:, -1]
-        for keys, values, cached in zip(state.keys, state.values, cache.layers):
-            keys[:, :, :prompt_len].copy_(cached.keys)
-            values[:, :, :prompt_len].copy_(cached.values)
-        del out, cache
+        token = prefill(self.weights, state, input_ids, attention_mask)
         low = torch.finfo(state.mask.dtype).min
         state.mask.fill_(low)
-        state.mask[:, 0, 0, :prompt_len].masked_fill_(attention_mask.bool(), 0.0)
+        state.mask[:, :prompt_len].masked_fill_(attention_mask.bool(), 0.0)
         state.ids.copy_(token)
         state.pos.copy_(attention_mask.sum(dim=1))
         state.slot.fill_(prompt_len)
@@ -445,7 +501,7 @@ class DenseDecoder:
                 if graph is not None:
                     graph.replay()
                 else:
-                    decode_step(self.weights, state)
+                    self._step(state)
             chunk = state.tokens[:, prompt_len - 1 + made : prompt_len - 1 + made + n]
             if on_tokens:
                 on_tokens(chunk)
