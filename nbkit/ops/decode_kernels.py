@@ -110,25 +110,25 @@ if HAS_TRITON:
             tl.store(dst + HALF + offs, x2)
         else:
             dtype = x1.dtype
-            x1 = x1.to(tl.float32)
-            x2 = x2.to(tl.float32)
+            f1 = x1.to(tl.float32)
+            f2 = x2.to(tl.float32)
             if NORM:
-                r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
+                r = tl.rsqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / D + eps)
                 if head < H:
                     w1 = tl.load(qn_ptr + offs).to(tl.float32)
                     w2 = tl.load(qn_ptr + HALF + offs).to(tl.float32)
                 else:
                     w1 = tl.load(kn_ptr + offs).to(tl.float32)
                     w2 = tl.load(kn_ptr + HALF + offs).to(tl.float32)
-                x1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-                x2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+                f1 = (w1 * (f1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+                f2 = (w2 * (f2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
             row = tl.load(pos_ptr + b) * D
             c1 = tl.load(cos_ptr + row + offs).to(tl.float32)
             c2 = tl.load(cos_ptr + row + HALF + offs).to(tl.float32)
             s1 = tl.load(sin_ptr + row + offs).to(tl.float32)
             s2 = tl.load(sin_ptr + row + HALF + offs).to(tl.float32)
-            y1 = x1 * c1 - x2 * s1
-            y2 = x2 * c2 + x1 * s2
+            y1 = f1 * c1 - f2 * s1
+            y2 = f2 * c2 + f1 * s2
             if head < H:
                 dst = q_ptr + (b * H + head) * D
             else:
