@@ -4,10 +4,10 @@ on the 1.7B Qwen3 shape (NF4 + LoRA r16 made dense), batch 1 and 32.
 For each variant of the step, the same captured-graph timing: CUDA events around 256 replays after 16 warm-up
 replays, per-step milliseconds (median of 5 such runs, min-max), and the first 32 tokens compared with the shipped
 step's. Variants:
-- ``shipped``: ``DenseDecoder()`` as it is (Triton small ops; at batch 1 the fused one-row matmuls);
-- ``unfused``: the Triton small ops with cuBLAS matmuls and separate norms (``fused=False``);
+- ``shipped``: ``DenseDecoder()`` as it is (Triton small ops, cuBLAS matmuls; attention's keys split by
+  ``decode_kernels.split_for``: 4 programs a kv head at batch 1, one at 32);
 - ``torch``: every op in torch (``kernels="torch"``: what runs without Triton);
-- ``split-128``, ``split-512``: the shipped step with attention's keys split in programs of 128 or 512 keys.
+- ``one-split``: the shipped step with one attention program a row and kv head (no combine kernel).
 A profile of one eager step (kernel count and the top kernels by time) comes first, for batch 1 of each variant.
 
     python -m benchmarks.decode_step
@@ -32,8 +32,7 @@ from .chat import PROMPT, with_lora
 from .common import write_results
 from .e2e import load_base, save_random_model
 
-VARIANTS = {"shipped": ({}, None), "unfused": ({"fused": False}, None), "torch": ({"kernels": "torch"}, None),
-            "split-128": ({}, 128), "split-512": ({}, 512)}
+VARIANTS = {"shipped": ({}, None), "torch": ({"kernels": "torch"}, None), "one-split": ({}, 1)}
 
 
 def profile_eager(decoder: dense.DenseDecoder, batch: int) -> dict:
@@ -82,18 +81,19 @@ def main(argv: list[str] | None = None) -> None:
     config = greedy_config(model, tokenizer, 300)
     config.eos_token_id = None
     rows, reference = [], {}
-    default_split = kernels.SPLIT
+    default_programs = kernels.PROGRAMS
     for variant in args.variants.split(","):
-        options, split = VARIANTS[variant]
-        kernels.SPLIT = split or default_split
+        options, programs = VARIANTS[variant]
+        kernels.PROGRAMS = programs or default_programs
         for batch in (1, 32):
             decoder = dense.DenseDecoder(**options)
             batch_ids = ids.expand(batch, -1).contiguous()
-            row: dict[str, Any] = {"variant": variant, "batch": batch, "split": kernels.SPLIT}
+            row: dict[str, Any] = {"variant": variant, "batch": batch}
             try:
                 t0 = time.perf_counter()
                 tokens = decoder.generate(model, batch_ids, config)
                 row["first_call_s"] = time.perf_counter() - t0
+                row["split"] = decoder._states[batch][0].split
                 if batch == 1:
                     row["profile"] = profile_eager(decoder, batch)
                 runs = time_replays(decoder, batch)
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
             print({k: v for k, v in row.items() if k != "profile"}, flush=True)
             decoder.release()
-    kernels.SPLIT = default_split
+    kernels.PROGRAMS = default_programs
     write_results("decode_step", {"rows": rows}, argv=argv, name="decode_step_1.7b")
 
 

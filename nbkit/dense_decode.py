@@ -5,9 +5,10 @@ Why: a decode step of a 4-bit model with LoRA adapters, run through transformers
 kernels a layer, most of them tiny (``graphed_decode`` replays them without the host, but keeps them all). This path
 decodes from a copy of the weights made once: each projection's 4-bit weight dequantized, its active LoRA adapters
 merged in (``W + scale * B @ A``, in float32, rounded once to the compute dtype), q/k/v fused
-into one matrix and gate/up into another. A step is then ~10 kernels a layer: four matmuls (the residual added inside
-the output ones) and, on a CUDA device, one Triton kernel each for the two norms, q/k norm + rotary + key/value
-write, attention over fixed key/value buffers under a mask, and the SiLU product (``nbkit.ops.decode_kernels``). The
+into one matrix and gate/up into another. A step is then ~10 kernels a layer: four matmuls (the residual added in place
+by the output ones) and, on a CUDA device, one Triton kernel each for the two norms, q/k norm + rotary + key/value
+write, attention over fixed key/value buffers under a mask (and the combine of its splits), and the SiLU product
+(``nbkit.ops.decode_kernels``). The
 step is recorded once as a single CUDA graph that also picks the next token and advances the position, so decoding
 is one ``replay()`` a token with no host sync until the tokens are read. The prompt goes through the same copy
 in one eager pass.
@@ -42,7 +43,6 @@ import torch.nn.functional as F
 from . import memory
 from .graphed_decode import Unsupported, greedy_changers
 from .model_parts import unwrap_model
-from .ops import decode_gemv as gemv
 from .ops import decode_kernels as kernels
 
 logger = logging.getLogger(__name__)
@@ -202,6 +202,7 @@ class _State:
     def __init__(self, weights: DenseWeights, batch: int, capacity: int, device: torch.device) -> None:
         dtype, kv, d = weights.dtype, weights.kv_heads, weights.head_dim
         self.batch, self.capacity = batch, capacity
+        self.split = kernels.split_for(batch * weights.kv_heads, capacity)  # keys per attention program
         self.ids = torch.zeros(batch, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
@@ -221,19 +222,15 @@ class _State:
         self.cos, self.sin = cos[0].to(dtype), sin[0].to(dtype)  # (capacity, head_dim)
 
 
-def decode_step(w: DenseWeights, s: _State, use_triton: bool = False, fused: bool = False) -> None:
+def decode_step(w: DenseWeights, s: _State, use_triton: bool = False) -> None:
     """One greedy step for every row: attend at ``s.slot``, write the next token, advance. Only in-place writes to
     ``s``'s tensors; no host sync and no value read on the host, so it can be captured and replayed as it is.
     ``use_triton``: the step's small ops as ``nbkit.ops.decode_kernels``' Triton kernels (else their torch
-    references); ``fused`` (one row, with ``use_triton``): the projections as ``nbkit.ops.decode_gemv``'s kernel
-    with the norms, the SiLU product and the residuals fused in."""
+    references)."""
     x = F.embedding(s.ids, w.embed)  # (b, hidden)
     s.mask.index_fill_(1, s.slot, 0.0)
     for layer, keys, values in zip(w.layers, s.keys, s.values):
-        if fused:
-            x = fused_layer_step(x, layer, keys, values, s, w)
-        else:
-            x = layer_step(x, layer, keys, values, s, w, use_triton)
+        x = layer_step(x, layer, keys, values, s, w, use_triton)
     logits = F.linear(kernels.rms_norm(x, w.final_norm, w.eps, use_triton), w.lm_head)
     s.logits.copy_(logits)
     nxt = torch.where(s.unfinished, logits.argmax(dim=-1), s.pad)
@@ -253,31 +250,23 @@ def layer_step(x: torch.Tensor, layer: _Layer, keys: torch.Tensor, values: torch
     qkv = F.linear(n, layer.wqkv, layer.bqkv)
     q = kernels.qk_rope_cache(qkv, keys, values, layer.q_norm, layer.k_norm, s.cos, s.sin, s.pos, s.slot, w.heads,
                               w.eps, use_triton)
-    a = kernels.decode_attention(q, keys, values, s.mask, s.slot, w.scaling, use_triton)
-    x = torch.addmm(x, a.reshape(b, -1), layer.wo.t())
+    a = kernels.decode_attention(q, keys, values, s.mask, s.slot, w.scaling, use_triton, s.split)
+    x = x.addmm_(a.reshape(b, -1), layer.wo.t())  # in place: the residual stream is this step's own tensor
     if layer.bo is not None:
         x = x + layer.bo
     n = kernels.rms_norm(x, layer.ln2, w.eps, use_triton)
-    x = torch.addmm(x, kernels.silu_mul(F.linear(n, layer.wgu, layer.bgu), use_triton), layer.wd.t())
+    x = x.addmm_(kernels.silu_mul(F.linear(n, layer.wgu, layer.bgu), use_triton), layer.wd.t())
     if layer.bd is not None:
         x = x + layer.bd
     return x
 
 
-def fused_layer_step(x: torch.Tensor, layer: _Layer, keys: torch.Tensor, values: torch.Tensor, s: _State,
-                     w: DenseWeights) -> torch.Tensor:
-    """``layer_step`` for one row in six kernels: four one-row matmuls (norm, SiLU product, bias and residual fused
-    in), q/k norm + rotary + key/value write, and attention (+ its combine when the keys are split)."""
-    qkv = gemv.gemv(x, layer.wqkv, layer.bqkv, norm=layer.ln1, eps=w.eps, use_triton=True)
-    q = kernels.qk_rope_cache(qkv, keys, values, layer.q_norm, layer.k_norm, s.cos, s.sin, s.pos, s.slot, w.heads,
-                              w.eps, True)
-    a = kernels.decode_attention(q, keys, values, s.mask, s.slot, w.scaling, True)
-    x = gemv.gemv(a.reshape(1, -1), layer.wo, layer.bo, residual=x, use_triton=True)
-    gu = gemv.gemv(x, layer.wgu, layer.bgu, norm=layer.ln2, eps=w.eps, use_triton=True)
-    return gemv.gemv(gu, layer.wd, layer.bd, glu=True, residual=x, use_triton=True)
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, use_triton: bool) -> torch.Tensor:
+    return kernels.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps, use_triton).reshape(x.shape)
 
 
-def prefill(w: DenseWeights, s: _State, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def prefill(w: DenseWeights, s: _State, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+            use_triton: bool = False) -> torch.Tensor:
     """Run the left-padded prompts (B, P) through the dense copy at once: their keys and values are written to
     slots 0..P-1, the last position's logits to ``s.logits``; returns the first greedy token of each row. Positions
     and masking as ``generate``'s (a padded query sees itself only; no one sees a padded key)."""
@@ -291,11 +280,11 @@ def prefill(w: DenseWeights, s: _State, input_ids: torch.Tensor, attention_mask:
     seen = ((causal[None] & keep[:, None, :]) | diagonal[None])[:, None]  # (b, 1, p, p)
     x = F.embedding(input_ids, w.embed)
     for layer, keys, values in zip(w.layers, s.keys, s.values):
-        qkv = F.linear(kernels.rms_norm_ref(x, layer.ln1, w.eps), layer.wqkv, layer.bqkv)
+        qkv = F.linear(_norm(x, layer.ln1, w.eps, use_triton), layer.wqkv, layer.bqkv)
         q = qkv[..., : h * d].reshape(b, p, h, d)
         k = qkv[..., h * d : (h + kv) * d].reshape(b, p, kv, d)
         if layer.q_norm is not None:
-            q, k = kernels.rms_norm_ref(q, layer.q_norm, w.eps), kernels.rms_norm_ref(k, layer.k_norm, w.eps)
+            q, k = _norm(q, layer.q_norm, w.eps, use_triton), _norm(k, layer.k_norm, w.eps, use_triton)
         q = kernels.rotate(q, cos, sin).transpose(1, 2)
         k = kernels.rotate(k, cos, sin).transpose(1, 2)
         v = qkv[..., (h + kv) * d :].reshape(b, p, kv, d).transpose(1, 2)
@@ -304,10 +293,9 @@ def prefill(w: DenseWeights, s: _State, input_ids: torch.Tensor, attention_mask:
         a = F.scaled_dot_product_attention(q, k.repeat_interleave(h // kv, 1), v.repeat_interleave(h // kv, 1),
                                            attn_mask=seen, scale=w.scaling)
         x = x + F.linear(a.transpose(1, 2).reshape(b, p, h * d), layer.wo, layer.bo)
-        n = kernels.rms_norm_ref(x, layer.ln2, w.eps)
-        x = x + F.linear(kernels.silu_mul_ref(F.linear(n, layer.wgu, layer.bgu).reshape(b * p, -1)).reshape(b, p, -1),
-                         layer.wd, layer.bd)
-    logits = F.linear(kernels.rms_norm_ref(x[:, -1], w.final_norm, w.eps), w.lm_head)
+        gu = F.linear(_norm(x, layer.ln2, w.eps, use_triton), layer.wgu, layer.bgu).reshape(b * p, -1)
+        x = x + F.linear(kernels.silu_mul(gu, use_triton).reshape(b, p, -1), layer.wd, layer.bd)
+    logits = F.linear(kernels.rms_norm(x[:, -1], w.final_norm, w.eps, use_triton), w.lm_head)
     s.logits.copy_(logits)
     return logits.argmax(dim=-1)
 
@@ -346,12 +334,11 @@ class DenseDecoder:
     captured steps.
     """
 
-    def __init__(self, graphs: bool = True, kernels: str = "auto", fused: bool = True) -> None:
+    def __init__(self, graphs: bool = True, kernels: str = "auto") -> None:
         if kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', not {kernels!r}")
         self.graphs = graphs
         self.kernels = kernels
-        self.fused = fused
         self.weights: DenseWeights | None = None
         self.build_s: float | None = None
         self.captures = 0
@@ -374,8 +361,7 @@ class DenseDecoder:
         return w.embed.is_cuda and kernels.supported(w.head_dim)
 
     def _step(self, state: _State) -> None:
-        triton_ops = self.uses_triton()
-        decode_step(self.weights, state, triton_ops, self.fused and triton_ops and state.batch == 1)
+        decode_step(self.weights, state, self.uses_triton())
 
     def check(self, model: torch.nn.Module, total_len: int, batch: int = 1) -> str | None:
         """None if ``model`` can decode ``batch`` rows of up to ``total_len`` positions here, else the reason."""
@@ -479,7 +465,7 @@ class DenseDecoder:
             raise Unsupported(reason)
         state = self.prepare(model, batch, prompt_len + max_new)
         graph = self._states[batch][1]
-        token = prefill(self.weights, state, input_ids, attention_mask)
+        token = prefill(self.weights, state, input_ids, attention_mask, self.uses_triton())
         low = torch.finfo(state.mask.dtype).min
         state.mask.fill_(low)
         state.mask[:, :prompt_len].masked_fill_(attention_mask.bool(), 0.0)

@@ -1,13 +1,12 @@
-"""``nbkit.ops.decode_kernels`` and ``decode_gemv``: each Triton kernel against its torch reference, and the dense
-decoder run through the kernels against ``generate``, on a CPU under ``TRITON_INTERPRET=1`` (in a subprocess: the
+"""``nbkit.ops.decode_kernels``: each Triton kernel against its torch reference, and the dense decoder run through
+the kernels against ``generate``, on a CPU under ``TRITON_INTERPRET=1`` (in a subprocess: the
 interpreter must be on before triton is imported).
 
 Tolerances, stated: float32, 2e-6 (the kernels sum in another order); float16, 2 units of the last place of the
 output's scale (each op rounds once where the reference rounds per torch op). bfloat16 is left to the GPU twin
 (tests/gpu/test_dense_decode_gpu.py): the interpreter's bfloat16 ``tl.dot`` is not faithful. The decoder through
 the kernels must give ``generate``'s greedy tokens exactly in float32 (qwen3 with q/k norms and its attention split
-over programs and combined, llama without norms in one program; a left-padded batch, and one row through the fused
-one-row matmuls).
+over programs and combined, llama without norms in one program; a left-padded batch and one row).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from nbkit.ops import decode_kernels as K
 _SCRIPT = textwrap.dedent(
     """
     import torch
-    from nbkit.ops import decode_gemv as G
     from nbkit.ops import decode_kernels as K
 
     def close(a, b, dtype, what):
@@ -63,19 +61,8 @@ _SCRIPT = textwrap.dedent(
         close(K.rms_norm(x, w, 1e-6, True), K.rms_norm(x, w, 1e-6, False), dtype, "rms_norm")
         gu = torch.randn(3, 2 * 1500, dtype=dtype)
         close(K.silu_mul(gu, True), K.silu_mul(gu, False), dtype, "silu_mul")
-        for (n, k), programs in zip(((300, 520), (40, 64)), (16, 1)):  # rows and inputs off the blocks
-            G.MIN_PROGRAMS = programs  # 32 and 8 rows a program (the interpreter is slow with many programs)
-            w, bias, res = torch.randn(n, k, dtype=dtype) / 8, torch.randn(1, n, dtype=dtype), torch.randn(1, n, dtype=dtype)
-            nw = (torch.rand(k) + 0.5).to(dtype)
-            x, gx = torch.randn(1, k, dtype=dtype), torch.randn(1, 2 * k, dtype=dtype)
-            for args in (dict(), dict(bias=bias[0]), dict(norm=nw), dict(norm=nw, bias=bias[0]), dict(residual=res),
-                         dict(residual=res, bias=bias[0])):
-                close(G.gemv(x, w, use_triton=True, **args), G.gemv(x, w, **args), dtype, f"gemv {sorted(args)}")
-            close(G.gemv(gx, w, glu=True, residual=res, use_triton=True), G.gemv(gx, w, glu=True, residual=res),
-                  dtype, "gemv glu")
 
     # the decoder through the kernels, against generate, float32
-    import nbkit.ops.decode_kernels
     from nbkit.chat import greedy_config, prompt_ids
     from nbkit.demo.models import tiny_model
     from nbkit.demo.tokenizer import load_demo_tokenizer
@@ -83,8 +70,7 @@ _SCRIPT = textwrap.dedent(
     from peft import LoraConfig, get_peft_model
 
     tok = load_demo_tokenizer()
-    G.MIN_PROGRAMS = 1
-    for family, split in (("qwen3", 8), ("llama", 256)):  # 8: attention split over programs and combined
+    for family, programs in (("qwen3", 128), ("llama", 1)):  # split over programs and combined; one program
         torch.manual_seed(0)
         model = tiny_model(family, len(tok), pad_token_id=tok.pad_token_id, eos_token_id=None)
         model.generation_config.pad_token_id, model.generation_config.eos_token_id = tok.pad_token_id, None
@@ -99,13 +85,14 @@ _SCRIPT = textwrap.dedent(
         batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         config = greedy_config(model, tok, 12)
         want = model.generate(**batch, generation_config=config)[:, batch["input_ids"].shape[1]:].tolist()
-        nbkit.ops.decode_kernels.SPLIT = split
+        K.PROGRAMS, K.MIN_SPLIT = programs, 64
         decoder = DenseDecoder(graphs=False, kernels="triton")
         got = decoder.generate(model, batch["input_ids"], config, batch["attention_mask"])
         assert decoder.uses_triton()
-        assert got == want, (family, split, got, want)
-        one = batch["input_ids"][1:]  # one row: the fused one-row matmuls
-        assert decoder.generate(model, one, config) == want[1:], (family, split, "one row")
+        assert decoder._states[2][0].split == (64 if programs > 1 else 512)
+        assert got == want, (family, got, want)
+        one = batch["input_ids"][1:]
+        assert decoder.generate(model, one, config) == want[1:], (family, "one row")
     print("TRITON_OK")
     """
 )
@@ -120,6 +107,35 @@ def test_kernels_match_their_references_and_decode_as_generate_interpreted():
     assert proc.returncode == 0 and "TRITON_OK" in proc.stdout, proc.stderr[-3000:]
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_kernels_compile_for_hopper(dtype):
+    """Each kernel, in each branch its constexprs select, through Triton's whole compiler for sm_90: what the
+    interpreter does not check (types across branches, tile shapes ``tl.dot`` takes)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    p, target = "*" + dtype, GPUTarget("cuda", 90, 32)
+    tiles = dict(G=2, GP=16, D=128, SPLIT=128, BLOCK_N=64, PRECISION="ieee" if dtype == "fp32" else "tf32")
+    cases = [(K._rms_norm_kernel, dict(x_ptr=p, w_ptr=p, out_ptr=p, n="i32", eps="fp32"), dict(BLOCK=2048)),
+             (K._combine_kernel, dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr=p),
+              dict(G=2, GP=16, D=128, S=3, SP=4)),
+             (K._silu_mul_kernel, dict(gu_ptr=p, out_ptr=p, n="i32"), dict(BLOCK=1024))]
+    for norm in (True, False):
+        cases.append((K._qk_rope_cache_kernel, dict(qkv_ptr=p, q_ptr=p, k_ptr=p, v_ptr=p, qn_ptr=p, kn_ptr=p,
+                                                    cos_ptr=p, sin_ptr=p, pos_ptr="*i64", slot_ptr="*i64", H="i32",
+                                                    KV="i32", cap="i32", eps="fp32"),
+                      dict(D=128, HALF=64, NORM=norm)))
+    for s in (1, 4):
+        part = "*fp32" if s > 1 else p
+        cases.append((K._decode_attention_kernel, dict(q_ptr=p, k_ptr=p, v_ptr=p, mask_ptr=p, slot_ptr="*i64",
+                                                       out_ptr=p, m_ptr=part, l_ptr=part, acc_ptr=part, KV="i32",
+                                                       cap="i32", scaling="fp32"), dict(tiles, S=s)))
+    for fn, signature, constants in cases:
+        signature = dict(signature, **{name: "constexpr" for name in constants})
+        triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants), target=target)
+
+
 def test_head_sizes_the_kernels_take():
     if not K.HAS_TRITON:
         assert not K.supported(128)
@@ -130,6 +146,10 @@ def test_head_sizes_the_kernels_take():
 
 def test_splits_and_the_kernels_switch():
     assert K.splits_for(512, 256) == 2 and K.splits_for(513, 256) == 3 and K.splits_for(100, 256) == 1
+    assert K.split_for(8, 512) == 128  # one row, 8 kv heads: 4 splits of 128 keys
+    assert K.split_for(256, 512) == 512  # 32 rows fill the GPU: one program a row and head, no combine
+    assert K.split_for(8, 4096) == 256 and K.split_for(1, 100) == 128  # 16 splits; a short buffer in one
+    assert K.split_for(8, 600) % 64 == 0 and K.splits_for(600, K.split_for(8, 600)) == 4
     assert not DenseDecoder(graphs=False).uses_triton()  # no copy yet
     with pytest.raises(ValueError, match="kernels must be"):
         DenseDecoder(kernels="cuda")

@@ -30,7 +30,8 @@ except ImportError:  # pragma: no cover
     triton = tl = None
 
 HAS_TRITON = triton is not None
-SPLIT = 256  # keys a program of the attention kernel reads at most; more make a second (combine) kernel run
+PROGRAMS = 128  # attention splits a row's keys until (rows x kv heads x splits) reaches this many programs
+MIN_SPLIT = 128  # ... but gives a program at least this many keys
 _BLOCK_N = 64  # keys per iteration inside a program
 
 
@@ -213,6 +214,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, use_triton: bool
     """transformers' RMSNorm of each row of ``x`` (rows, n)."""
     if not use_triton:
         return rms_norm_ref(x, weight, eps)
+    x = x.contiguous()  # the kernel steps rows by n
     rows, n = x.shape
     out = torch.empty_like(x)
     _rms_norm_kernel[(rows,)](x, weight, out, n, eps, BLOCK=triton.next_power_of_2(n))
@@ -227,6 +229,7 @@ def qk_rope_cache(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q
     if not use_triton:
         return qk_rope_cache_ref(qkv, keys, values, q_norm, k_norm, cos, sin, pos, slot, h, eps)
     b, kv, cap, d = keys.shape
+    qkv = qkv.contiguous()
     q = torch.empty((b, h, d), dtype=qkv.dtype, device=qkv.device)
     norm = q_norm is not None
     _qk_rope_cache_kernel[(b, h + 2 * kv)](
@@ -240,23 +243,33 @@ def supported(head_dim: int) -> bool:
     return HAS_TRITON and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
 
 
-def splits_for(capacity: int, split: int | None = None) -> int:
-    """How many programs share one row's keys, for a buffer of ``capacity`` positions."""
-    return -(-capacity // (split or SPLIT))
+def split_for(heads: int, capacity: int) -> int:
+    """Keys per attention program for ``heads`` (rows x kv heads) over a buffer of ``capacity`` positions: the
+    buffer split until there are ``PROGRAMS`` programs or a split would hold fewer than ``MIN_SPLIT`` keys, in
+    multiples of the kernel's block. One split (no combine kernel) when the rows and heads fill the GPU."""
+    splits = max(1, min(-(-PROGRAMS // heads), capacity // MIN_SPLIT))
+    return -(-capacity // splits // _BLOCK_N) * _BLOCK_N
+
+
+def splits_for(capacity: int, split: int) -> int:
+    """How many programs share one row's keys, for a buffer of ``capacity`` positions, ``split`` keys each."""
+    return -(-capacity // split)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                      slot: torch.Tensor, scaling: float, use_triton: bool = False,
                      split: int | None = None) -> torch.Tensor:
     """Attention of each row's one query per head (b, h, d) over the buffers' positions up to ``slot``, under the
-    additive ``mask`` (positions after ``slot`` must be masked too: the reference reads the whole buffer)."""
+    additive ``mask`` (positions after ``slot`` must be masked too: the reference reads the whole buffer).
+    ``split``: keys per program (default ``split_for``)."""
     if not use_triton:
         return decode_attention_ref(q, keys, values, mask, scaling)
+    q = q.contiguous()
     b, h, d = q.shape
     kv, cap = keys.shape[1], keys.shape[2]
     g = h // kv
     gp = max(16, triton.next_power_of_2(g))  # tl.dot's smallest tile
-    split = split or SPLIT
+    split = split or split_for(b * kv, cap)
     s = splits_for(cap, split)
     out = torch.empty_like(q)
     if s == 1:
@@ -277,6 +290,7 @@ def silu_mul(gu: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` of the concatenated ``gu`` (rows, 2n), as transformers' MLP rounds it."""
     if not use_triton:
         return silu_mul_ref(gu)
+    gu = gu.contiguous()
     rows, n2 = gu.shape
     n = n2 // 2
     out = torch.empty((rows, n), dtype=gu.dtype, device=gu.device)
