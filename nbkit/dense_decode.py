@@ -126,13 +126,16 @@ def _compute_dtype(base: torch.nn.Module) -> torch.dtype:
 
 
 def _signature(model: torch.nn.Module) -> tuple:
-    """What the dense copy depends on: every parameter's storage and in-place version, and the adapter switches."""
+    """What the dense copy depends on: every parameter's storage and in-place version, and the adapter switches
+    (one walk over the modules: it runs on every call)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    params = tuple((p.data_ptr(), p._version) for p in model.parameters())
-    flags = tuple((m.disable_adapters, tuple(m.active_adapters), tuple(m.merged_adapters))
-                  for m in model.modules() if isinstance(m, BaseTunerLayer))
-    return params, flags
+    params, flags = [], []
+    for module in model.modules():
+        params.extend((p.data_ptr(), p._version) for p in module._parameters.values() if p is not None)
+        if isinstance(module, BaseTunerLayer):
+            flags.append((module.disable_adapters, tuple(module.active_adapters), tuple(module.merged_adapters)))
+    return tuple(params), tuple(flags)
 
 
 class DenseWeights:
@@ -363,8 +366,10 @@ class DenseDecoder:
     def _step(self, state: _State) -> None:
         decode_step(self.weights, state, self.uses_triton())
 
-    def check(self, model: torch.nn.Module, total_len: int, batch: int = 1) -> str | None:
-        """None if ``model`` can decode ``batch`` rows of up to ``total_len`` positions here, else the reason."""
+    def check(self, model: torch.nn.Module, total_len: int, batch: int = 1,
+              signature: tuple | None = None) -> str | None:
+        """None if ``model`` can decode ``batch`` rows of up to ``total_len`` positions here, else the reason.
+        ``signature``: the model's ``_signature`` when the caller has it (it walks every module)."""
         base = unwrap_model(model)
         try:
             device = next(base.parameters()).device
@@ -377,13 +382,15 @@ class DenseDecoder:
         reason = _supported(model, total_len)
         if reason:
             return reason
-        if self._failed is not None and self._failed[0] == _signature(model):
+        signature = signature or _signature(model)
+        if self._failed is not None and self._failed[0] == signature:
             return self._failed[1]
-        need = 0 if self.weights is not None and self._signature == _signature(model) else dense_bytes(model)
+        kept = self.weights is not None and self._signature == signature
+        need = 0 if kept else dense_bytes(model)
         config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         capacity = -(-total_len // _BLOCK) * _BLOCK
-        size = torch.tensor([], dtype=_compute_dtype(base)).element_size()
+        size = torch.tensor([], dtype=self.weights.dtype if kept else _compute_dtype(base)).element_size()
         need += 2 * size * len(base.model.layers) * batch * int(config.num_key_value_heads) * capacity * head_dim
         width = 2 * int(config.intermediate_size) + (int(config.num_attention_heads) + 2 * int(
             config.num_key_value_heads)) * head_dim + 4 * int(config.hidden_size)
@@ -392,10 +399,11 @@ class DenseDecoder:
             return f"not enough free GPU memory for a dense copy ({memory.fmt_bytes(need)}, twice over)"
         return None
 
-    def prepare(self, model: torch.nn.Module, batch: int, total_len: int) -> _State:
+    def prepare(self, model: torch.nn.Module, batch: int, total_len: int,
+                signature: tuple | None = None) -> _State:
         """The dense copy (made or kept) and a captured step for ``batch`` rows of ``total_len`` positions; raises
         ``Unsupported`` (and remembers why until the model changes) when the copy or the capture fails."""
-        signature = _signature(model)
+        signature = signature or _signature(model)
         try:
             return self._prepare(model, signature, batch, total_len)
         except Unsupported as error:
@@ -460,10 +468,11 @@ class DenseDecoder:
             raise Unsupported(f"more than {_STOPS} stop ids")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        reason = self.check(model, prompt_len + max_new, batch)
+        signature = _signature(model)
+        reason = self.check(model, prompt_len + max_new, batch, signature)
         if reason:
             raise Unsupported(reason)
-        state = self.prepare(model, batch, prompt_len + max_new)
+        state = self.prepare(model, batch, prompt_len + max_new, signature)
         graph = self._states[batch][1]
         token = prefill(self.weights, state, input_ids, attention_mask, self.uses_triton())
         low = torch.finfo(state.mask.dtype).min
