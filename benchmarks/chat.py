@@ -11,7 +11,8 @@ Paths, on the same model and prompt:
 - ``graphed``: ``nbkit.graphed_decode.GraphedDecoder.generate`` with the same generation config (prompt through
   ``generate``, then the model's own step replayed from CUDA graphs): ``chat(exact=True)``'s path;
 - ``dense``: ``nbkit.dense_decode.DenseDecoder.generate``: a dense copy of the weights (NF4 dequantized, LoRA merged,
-  projections fused), one CUDA graph a step: ``chat``'s default path when memory allows.
+  projections fused), the prompt through it at once, then one CUDA graph a step (Triton kernels for the small ops on
+  a GPU): ``chat``'s default path when memory allows.
 Batched (``--batch N``, 0 to skip): N chat prompts of different lengths, left-padded, ``model.generate`` on the
 batch vs ``DenseDecoder.generate`` on the batch (``generate_answers``' two paths), tokens/s = all new tokens / s.
 Stopping is switched off everywhere (``eos_token_id=None``) so every timed call makes exactly ``--new-tokens`` tokens
