@@ -4,14 +4,13 @@ the speed of the model's own step, when the GPU has room for the copy.
 Why: a decode step of a 4-bit model with LoRA adapters, run through transformers, bitsandbytes and PEFT, is ~50
 kernels a layer, most of them tiny (``graphed_decode`` replays them without the host, but keeps them all). This path
 decodes from a copy of the weights made once: each projection's 4-bit weight dequantized, its active LoRA adapters
-merged in (``W + scale * B @ A``, in float32, rounded once to the compute dtype), q/k/v fused
-into one matrix and gate/up into another. A step is then ~10 kernels a layer: four matmuls (the residual added in place
-by the output ones) and, on a CUDA device, one Triton kernel each for the two norms, q/k norm + rotary + key/value
-write, attention over fixed key/value buffers under a mask (and the combine of its splits), and the SiLU product
-(``nbkit.ops.decode_kernels``). The
-step is recorded once as a single CUDA graph that also picks the next token and advances the position, so decoding
-is one ``replay()`` a token with no host sync until the tokens are read. The prompt goes through the same copy
-in one eager pass.
+merged in (``W + scale * B @ A``, in float32, rounded once to the compute dtype), q/k/v fused into one matrix and
+gate/up into another. A step is then ~10 kernels a layer: four matmuls (the residual added in place by the output
+ones) and, on a CUDA device, one Triton kernel each for the two norms, q/k norm + rotary + key/value write,
+attention over fixed key/value buffers under a mask (and the combine of its splits), and the SiLU product
+(``nbkit.ops.decode_kernels``). The step is recorded once as a single CUDA graph that also picks the next token and
+advances the position, so decoding is one ``replay()`` a token with no host sync until the tokens are read. The
+prompt goes through the same copy in one eager pass.
 
 Contract:
 - ``check(model, ...)`` returns None or the reason this path does not apply (no CUDA, a family outside
@@ -160,7 +159,6 @@ class DenseWeights:
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(config.num_key_value_heads)
         self.scaling = float(first.scaling)
-        self.hidden = int(config.hidden_size)
         self.layers: list[_Layer] = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
