@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from .dense_decode import DenseDecoder
+from .dense_decode import DenseDecoder, signature_of
 from .graphed_decode import GraphedDecoder, Unsupported
 from .model_parts import unwrap_model
 from .reliability.stop_token import stop_token_ids
@@ -156,13 +156,14 @@ def release_decoders(model: torch.nn.Module) -> None:
         decoder.release()
 
 
-def dense_reason(model: torch.nn.Module, total_len: int, batch: int) -> str | None:
-    """None when the dense path applies to ``model`` here, else why (logged once per model)."""
+def dense_reason(model: torch.nn.Module, total_len: int, batch: int, signature: tuple | None = None) -> str | None:
+    """None when the dense path applies to ``model`` here, else why (logged once per model). ``signature``: the
+    model's ``dense_decode.signature_of``, taken once a call by the caller."""
     decoder = dense_decoder(model)
-    reason = decoder.check(model, total_len, batch)
+    reason = decoder.check(model, total_len, batch, signature)
     if reason is None:
         try:
-            decoder.prepare(model, batch, total_len)
+            decoder.prepare(model, batch, total_len, signature)
         except Unsupported as error:
             reason = str(error)
     if reason is not None and not decoder.reported:
@@ -192,9 +193,11 @@ def answer(
     reason = None if fast else "fast=False"
     path = "generate"
     total = ids.shape[1] + max_new_tokens
+    signature = None
     try:
         if reason is None and not exact:
-            reason = dense_reason(model, total, 1)
+            signature = signature_of(model)
+            reason = dense_reason(model, total, 1, signature)
             path = "dense" if reason is None else path
         if path != "dense" and fast:
             decoder = _decoder(model)
@@ -212,7 +215,7 @@ def answer(
         out = _TextStream(tokenizer, sink, skip_first=False) if sink else None
         with torch.no_grad():
             if path == "dense":
-                tokens = _dense_tokens(model, ids, config, out)
+                tokens = _dense_tokens(model, ids, config, out, signature)
             elif path == "graphed":
                 put = (lambda t: out.put(torch.tensor([t]))) if out else None
                 tokens = _decoder(model).generate(model, ids, config, on_token=put)
@@ -232,7 +235,8 @@ def answer(
     return Answer(text, tokens, path, reason)
 
 
-def _dense_tokens(model: torch.nn.Module, ids: torch.Tensor, config: Any, out: _TextStream | None) -> list[int]:
+def _dense_tokens(model: torch.nn.Module, ids: torch.Tensor, config: Any, out: _TextStream | None,
+                  signature: tuple | None) -> list[int]:
     stops = config.eos_token_id
     stops = {stops} if isinstance(stops, int) else set(stops or [])
     streamed: list[int] = []
@@ -244,7 +248,7 @@ def _dense_tokens(model: torch.nn.Module, ids: torch.Tensor, config: Any, out: _
             streamed.append(token)
             out.put(torch.tensor([token]))
 
-    return dense_decoder(model).generate(model, ids, config, on_tokens=put if out else None)[0]
+    return dense_decoder(model).generate(model, ids, config, on_tokens=put if out else None, signature=signature)[0]
 
 
 def chat(

@@ -124,7 +124,7 @@ def _compute_dtype(base: torch.nn.Module) -> torch.dtype:
     return base.get_input_embeddings().weight.dtype
 
 
-def _signature(model: torch.nn.Module) -> tuple:
+def signature_of(model: torch.nn.Module) -> tuple:
     """What the dense copy depends on: every parameter's storage and in-place version, and the adapter switches
     (one walk over the modules: it runs on every call)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
@@ -367,7 +367,7 @@ class DenseDecoder:
     def check(self, model: torch.nn.Module, total_len: int, batch: int = 1,
               signature: tuple | None = None) -> str | None:
         """None if ``model`` can decode ``batch`` rows of up to ``total_len`` positions here, else the reason.
-        ``signature``: the model's ``_signature`` when the caller has it (it walks every module)."""
+        ``signature``: the model's ``signature_of`` when the caller has it (it walks every module)."""
         base = unwrap_model(model)
         try:
             device = next(base.parameters()).device
@@ -380,7 +380,7 @@ class DenseDecoder:
         reason = _supported(model, total_len)
         if reason:
             return reason
-        signature = signature or _signature(model)
+        signature = signature or signature_of(model)
         if self._failed is not None and self._failed[0] == signature:
             return self._failed[1]
         kept = self.weights is not None and self._signature == signature
@@ -401,7 +401,7 @@ class DenseDecoder:
                 signature: tuple | None = None) -> _State:
         """The dense copy (made or kept) and a captured step for ``batch`` rows of ``total_len`` positions; raises
         ``Unsupported`` (and remembers why until the model changes) when the copy or the capture fails."""
-        signature = signature or _signature(model)
+        signature = signature or signature_of(model)
         try:
             return self._prepare(model, signature, batch, total_len)
         except Unsupported as error:
@@ -453,10 +453,12 @@ class DenseDecoder:
     @torch.no_grad()
     def generate(self, model: torch.nn.Module, input_ids: torch.Tensor, config: Any,
                  attention_mask: torch.Tensor | None = None,
-                 on_tokens: Callable[[torch.Tensor], None] | None = None) -> list[list[int]]:
+                 on_tokens: Callable[[torch.Tensor], None] | None = None,
+                 signature: tuple | None = None) -> list[list[int]]:
         """Greedy tokens for each row of the left-padded ``input_ids`` (B, P) under generation ``config``
         (``max_new_tokens``, ``eos_token_id``, ``pad_token_id`` are read from it), each row up to and including its
-        first stop id. ``on_tokens`` gets each new chunk of tokens, (B, n), as they are read."""
+        first stop id. ``on_tokens`` gets each new chunk of tokens, (B, n), as they are read; ``signature``: the
+        model's ``signature_of``, when the caller took it for ``check`` already."""
         batch, prompt_len = input_ids.shape
         max_new = int(config.max_new_tokens)
         eos = config.eos_token_id
@@ -466,7 +468,7 @@ class DenseDecoder:
             raise Unsupported(f"more than {_STOPS} stop ids")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        signature = _signature(model)
+        signature = signature or signature_of(model)
         reason = self.check(model, prompt_len + max_new, batch, signature)
         if reason:
             raise Unsupported(reason)

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from .chat import dense_decoder, dense_reason
+from .dense_decode import signature_of
 from .model_parts import unwrap_model
 
 
@@ -59,9 +60,11 @@ def generate_answers(
             ]
             batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
             total = batch["input_ids"].shape[1] + max_new_tokens
-            if fast and not min_new_tokens and not router and dense_reason(model, total, len(prompts)) is None:
+            signature = signature_of(model) if fast and not min_new_tokens and not router else None
+            if signature is not None and dense_reason(model, total, len(prompts), signature) is None:
                 config = _greedy(model, tokenizer, max_new_tokens)
-                rows = dense_decoder(model).generate(model, batch["input_ids"], config, batch["attention_mask"])
+                rows = dense_decoder(model).generate(model, batch["input_ids"], config, batch["attention_mask"],
+                                                     signature=signature)
                 answers += [text.strip() for text in tokenizer.batch_decode(rows, skip_special_tokens=True)]
                 continue
             out = model.generate(
