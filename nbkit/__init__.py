@@ -14,13 +14,19 @@ from ._lazy import lazy_exports
 
 class _DropHubKernelHint(logging.Filter):
     """bitsandbytes on AVX512-BF16 CPUs tries to fetch a kernel from the Hub when imported (which nbkit's imports of
-    PEFT/TRL cause) and logs "pip install kernels" when it cannot: advice that does not apply. Drop that one line."""
+    PEFT/TRL cause) and logs "pip install kernels" when it cannot, or, through the ``kernels`` package offline, that
+    it skips that kernel's publisher check: notes on a fetch the user did not ask for. Drop those lines only."""
+
+    def __init__(self, needle: str) -> None:
+        super().__init__()
+        self.needle = needle
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "kernels-community" not in str(record.msg)
+        return self.needle not in str(record.msg)
 
 
-logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropHubKernelHint())
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropHubKernelHint("kernels-community"))
+logging.getLogger("kernels._internals.hf_hub").addFilter(_DropHubKernelHint("kernels-community/quantization-bitsandbytes"))
 
 __version__ = "0.1.0"
 __all__ = ["FastSFT", "FastSFTConfig", "load_model", "load_jsonl", "LiveDashboard", "save_merged", "export_gguf",
