@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from . import memory
-from .graphed_decode import Unsupported, greedy_changers
+from .graphed_decode import Unsupported, greedy_changers, parameter_signature
 from .model_parts import unwrap_model
 from .ops import decode_kernels as kernels
 
@@ -125,16 +125,8 @@ def _compute_dtype(base: torch.nn.Module) -> torch.dtype:
 
 
 def signature_of(model: torch.nn.Module) -> tuple:
-    """What the dense copy depends on: every parameter's storage and in-place version, and the adapter switches
-    (one walk over the modules: it runs on every call)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    params, flags = [], []
-    for module in model.modules():
-        params.extend((p.data_ptr(), p._version) for p in module._parameters.values() if p is not None)
-        if isinstance(module, BaseTunerLayer):
-            flags.append((module.disable_adapters, tuple(module.active_adapters), tuple(module.merged_adapters)))
-    return tuple(params), tuple(flags)
+    """What the dense copy depends on: every parameter's storage and in-place version, and the adapter switches."""
+    return parameter_signature(model, versions=True)
 
 
 class DenseWeights:

@@ -208,6 +208,22 @@ def greedy_changers(generation_config: Any) -> list[str]:
     return found
 
 
+def parameter_signature(model: torch.nn.Module, versions: bool = False) -> tuple:
+    """What a decoder built from ``model`` depends on, in one walk over its modules: where every parameter lives
+    (a captured step reads them there) and, with ``versions``, their in-place versions too (a copy of their values
+    goes stale when an optimizer steps them in place); and each adapter layer's switches."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    params, flags = [], []
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                params.append((p.data_ptr(), p._version) if versions else p.data_ptr())
+        if isinstance(module, BaseTunerLayer):
+            flags.append((module.disable_adapters, tuple(module.active_adapters), tuple(module.merged_adapters)))
+    return tuple(params), tuple(flags)
+
+
 def _cache_kwarg(base: torch.nn.Module) -> str:
     params = inspect.signature(base.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
@@ -267,18 +283,6 @@ class GraphedDecoder:
         return None
 
     # -- state -----------------------------------------------------------------------------------------------------
-    @staticmethod
-    def _signature_of(model: torch.nn.Module) -> tuple:
-        """What a captured step depends on: where every parameter lives, and each adapter layer's switches."""
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        flags = tuple(
-            (module.disable_adapters, tuple(module.active_adapters), tuple(module.merged_adapters))
-            for module in model.modules()
-            if isinstance(module, BaseTunerLayer)
-        )
-        return tuple(p.data_ptr() for p in model.parameters()), flags
-
     def _allocate(self, model: torch.nn.Module, base: torch.nn.Module, capacity: int) -> None:
         self._ids, self._pos, self._layers = step_buffers(model, base, capacity)
         self._capacity = capacity
@@ -324,7 +328,7 @@ class GraphedDecoder:
         if reason:
             raise Unsupported(reason)
         base = unwrap_model(model)
-        signature = self._signature_of(model)
+        signature = parameter_signature(model)
         if self._step is not None and signature == self._signature and total_len <= self._capacity:
             return
         t0 = time.perf_counter()
@@ -332,7 +336,7 @@ class GraphedDecoder:
         capacity = max(self._capacity, -(-total_len // _BLOCK) * _BLOCK)
         self._allocate(model, base, capacity)
         self._capture(model, base)
-        self._signature = self._signature_of(model)
+        self._signature = parameter_signature(model)
         if self.first_capture_s is None:
             self.first_capture_s = time.perf_counter() - t0
 
