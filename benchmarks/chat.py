@@ -167,9 +167,53 @@ def run_model(label: str, model: torch.nn.Module, tokenizer: Any, args: argparse
         if path == "dense":
             row.update(build_s=dense.build_s, captures=dense.captures,
                        dense_gib=dense.weights.nbytes / 2**30 if dense.weights else None)
+        if path == "dense" and args.phases:
+            row["phases_ms"] = dense_phases(dense, model, ids, config, mask)
         rows.append(row)
         print({k: v for k, v in row.items() if k not in ("token_ids", "seconds")}, flush=True)
     return rows
+
+
+def dense_phases(decoder: DenseDecoder, model: torch.nn.Module, ids: torch.Tensor, config: Any,
+                 mask: torch.Tensor, calls: int = 3) -> dict:
+    """Where one ``DenseDecoder.generate`` call's time goes (median of ``calls`` calls, milliseconds): the signature
+    walk, ``check``, ``prepare``, ``prefill`` (each timed with a sync before and after) and the rest (the replayed
+    steps, the token reads). The wrappers are this benchmark's own; the decoder runs as it is."""
+    import nbkit.dense_decode as dense_module
+
+    spent: dict[str, float] = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            _sync()
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                _sync()
+                spent[name] = spent.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+        return wrapper
+
+    originals = {name: getattr(dense_module, name) for name in ("signature_of", "prefill")}
+    runs = []
+    try:
+        for name, fn in originals.items():
+            setattr(dense_module, name, timed(name, fn))
+        decoder.check = timed("check", DenseDecoder.check.__get__(decoder))
+        decoder.prepare = timed("prepare", DenseDecoder.prepare.__get__(decoder))
+        for _ in range(calls):
+            spent.clear()
+            total, _ = _timed(lambda: decoder.generate(model, ids, config, mask))
+            spent["total"] = total * 1e3
+            spent["steps_and_reads"] = spent["total"] - sum(v for k, v in spent.items() if k != "total")
+            runs.append(dict(spent))
+    finally:
+        for name, fn in originals.items():
+            setattr(dense_module, name, fn)
+        del decoder.check, decoder.prepare
+    phases = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    print({"dense_phases_ms": {k: round(v, 2) for k, v in phases.items()}}, flush=True)
+    return phases
 
 
 def batch_of(tokenizer: Any, n: int) -> Any:
@@ -215,6 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-lora", action="store_true", help="only the 4-bit base")
     parser.add_argument("--no-base", action="store_true", help="only the base with LoRA")
     parser.add_argument("--batch", type=int, default=32, help="prompts in the batched run (0: none)")
+    parser.add_argument("--phases", action="store_true", help="also time the dense path's phases (see dense_phases)")
     parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU: checks the script runs")
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() or args.tiny):
