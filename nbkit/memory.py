@@ -209,14 +209,13 @@ def room_for(device: Any, nbytes: int) -> bool:
     off CUDA."""
     import torch
 
-    limit = gpu_limit(device)
-    if limit is None:
-        return True
     device = _indexed(device)
+    if device.type != "cuda":
+        return True
     reserved = int(torch.cuda.memory_reserved(device))
     if reserved - int(torch.cuda.memory_allocated(device)) >= nbytes:
-        return True
-    return limit - reserved >= 2 * nbytes
+        return True  # before gpu_limit's driver query: a hit is the common case on the per-layer paths
+    return gpu_limit(device) - reserved >= 2 * nbytes
 
 
 def shares_host_memory(device: Any) -> bool:

@@ -55,6 +55,16 @@ def test_room_for_a_buffer_is_a_cache_hit_or_twice_it_below_the_limit(monkeypatc
     assert memory.room_for(torch.device("cpu"), 1 << 40)
 
 
+def test_room_for_asks_the_driver_only_on_a_cache_miss(monkeypatch):
+    """A cache hit (the common case: the offload lanes ask per layer) is answered from the allocator's host-side
+    counters; the device's free memory is a driver query, asked only when the cache cannot serve the buffer."""
+    device = _fake_gpu(monkeypatch, reserved=5, allocated=2, free=1)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: asked.append(1) or (GIB, 80 * GIB))
+    assert memory.room_for(device, 3 * GIB) and not asked
+    assert not memory.room_for(device, 4 * GIB) and len(asked) == 1
+
+
 def test_in_use_reads_the_allocator_and_zero_off_cuda(monkeypatch):
     device = _fake_gpu(monkeypatch, allocated=7)
     assert memory.gpu_in_use(device) == 7 * GIB
