@@ -94,8 +94,9 @@ def save_random_model(shape: str, layers: int | None, folder: str, tiny: bool) -
     return time.perf_counter() - t0
 
 
-def load_base(folder: str, quantize: bool) -> tuple[torch.nn.Module, float]:
-    """The base model as a user loads it for QLoRA (``nbkit.load_model``'s settings, adapters left to the trainer)."""
+def load_base(folder: str, quantize: bool, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.nn.Module, float]:
+    """The base model as a user loads it for QLoRA (``nbkit.load_model``'s settings, adapters left to the trainer);
+    ``dtype``: the compute dtype (float16 as on a T4)."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from nbkit.loading import keep_4bit_trainable
@@ -103,16 +104,27 @@ def load_base(folder: str, quantize: bool) -> tuple[torch.nn.Module, float]:
     t0 = time.perf_counter()
     kwargs: dict[str, Any] = {}
     if quantize:
-        kwargs = dict(dtype=torch.bfloat16, device_map={"": 0}, quantization_config=BitsAndBytesConfig(
+        kwargs = dict(dtype=dtype, device_map={"": 0}, quantization_config=BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16))
+            bnb_4bit_compute_dtype=dtype))
     elif torch.cuda.is_available():
-        kwargs = dict(dtype=torch.bfloat16, device_map={"": 0})
+        kwargs = dict(dtype=dtype, device_map={"": 0})
     model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     if quantize:
         keep_4bit_trainable(model)
     model.config.use_cache = False
     return model, time.perf_counter() - t0
+
+
+def cap_memory(gib: float | None) -> None:
+    """Cap this process's GPU memory at ``gib`` GiB (None: the whole device), as a smaller card would; the allocator's
+    cache is emptied first so the cap applies to what the next row allocates."""
+    if not torch.cuda.is_available():
+        return
+    gc.collect()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total) if gib else 1.0)
 
 
 def _restore_base(trainer: Any) -> torch.nn.Module:
@@ -139,9 +151,10 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
     name, overrides = parse_path(spec)
     tiny = args.tiny
     notebook = args.recipe == "notebook"
+    fp16 = getattr(args, "fp16", False)
     common = dict(
         output_dir=f"/tmp/nbkit-e2e-{name}", max_steps=args.warmup + args.steps, per_device_train_batch_size=1,
-        packing=True, max_length=args.tokens, bf16=not tiny, use_cpu=tiny, gradient_checkpointing=True,
+        packing=True, max_length=args.tokens, bf16=not (tiny or fp16), fp16=fp16, use_cpu=tiny, gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": False}, learning_rate=1e-4, logging_steps=1, report_to=[],
         save_strategy="no", dataloader_num_workers=0, seed=0, disable_tqdm=True,
     )
@@ -199,7 +212,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="1.7b", choices=["1.7b", "14b"])
     parser.add_argument("--layers", type=int, default=None, help="shrink the model (default: all layers)")
-    parser.add_argument("--tokens", default="16384", help="tokens per step; a comma list runs each")
+    parser.add_argument("--tokens", default="16384",
+                        help="tokens per step; a comma list runs each; N@G caps the process at G GiB for that row "
+                             "(torch's per-process memory fraction, as on a smaller card)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--paths", default="sft,fastsft")
@@ -210,6 +225,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                              "notebook recipe, batch 2 x 4 accumulation steps, padding-free without packing, "
                              "documents of 256 to --tokens - 256 tokens, LoRA r32")
     parser.add_argument("--no-4bit", action="store_true", help="bf16 LoRA instead of QLoRA")
+    parser.add_argument("--fp16", action="store_true", help="float16 compute and training, as on a T4")
     parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU: checks the script runs")
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() or args.tiny):
@@ -218,15 +234,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     quantize = not (args.no_4bit or args.tiny)
     folder = tempfile.mkdtemp(prefix=f"nbkit-e2e-{shape}-")
     save_s = save_random_model(shape, args.layers, folder, args.tiny)
-    base, load_s = load_base(folder, quantize)
-    weights = "nf4" if quantize else "bf16" if torch.cuda.is_available() else "fp32"
+    base, load_s = load_base(folder, quantize, torch.float16 if args.fp16 else torch.bfloat16)
+    weights = "nf4" if quantize else ("fp16" if args.fp16 else "bf16") if torch.cuda.is_available() else "fp32"
     print(f"model {shape}: saved in {save_s:.1f} s, loaded ({weights}) in {load_s:.1f} s", flush=True)
     paths = split_paths(args.paths)
     if args.profile and args.profile not in paths:
         paths.append(args.profile)
     rows: list[dict] = []
-    for tokens in [int(t) for t in args.tokens.split(",")]:
-        args.tokens = tokens
+    for spec_row in args.tokens.split(","):
+        tokens, _, cap = spec_row.partition("@")
+        tokens = args.tokens = int(tokens)
+        cap_gib = float(cap) if cap else None
+        cap_memory(cap_gib)
         if args.recipe == "notebook":  # one document per row, cut to the row length as a user's max_length would
             mean_len = tokens // 2
             n_docs = 8 * (args.warmup + args.steps + 2)
@@ -250,11 +269,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     row["path"] = f"{spec} (host-profiled)"
             except Exception as exc:
                 row = failed_row(spec, exc)
-            run_rows.append(dict(row, shape=shape, tokens=tokens, weights=weights, load_s=load_s, recipe=args.recipe))
+            run_rows.append(dict(row, shape=shape, tokens=tokens, weights=weights, load_s=load_s, recipe=args.recipe,
+                                 cap_gib=cap_gib, compute="fp32" if args.tiny else "fp16" if args.fp16 else "bf16"))
             print({k: v for k, v in run_rows[-1].items() if not isinstance(v, list) and k != "profile"}, flush=True)
         rows += run_rows
         table = markdown_table(run_rows, baseline="sft" if "sft" in paths else None)
         what = f"{tokens} tokens/step" if args.recipe == "packed" else f"notebook recipe, rows <= {tokens} tokens"
+        what += f", process capped at {cap_gib:g} GiB" if cap_gib else ""
         print(f"\n{shape}, {what}, {'QLoRA nf4' if quantize else 'LoRA ' + weights}\n{table}\n",
               flush=True)
         # after each row length, so a run cut short keeps the lengths it finished
