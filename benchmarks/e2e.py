@@ -116,6 +116,28 @@ def load_base(folder: str, quantize: bool, dtype: torch.dtype = torch.bfloat16) 
     return model, time.perf_counter() - t0
 
 
+def log_memory() -> None:
+    """``--memory-log``: nbkit's decisions at INFO and one line of GPU memory after every optimizer step."""
+    import logging
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("nbkit").setLevel(logging.INFO)
+    logging.getLogger("nbkit.speedups.cuda_graphs").setLevel(logging.DEBUG)  # each capture's reserved memory
+    steps = [0]
+
+    def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        steps[0] += 1
+        if torch.cuda.is_available():
+            gib = 2**30
+            print(f"memory after optimizer step {steps[0]}: allocated {torch.cuda.memory_allocated() / gib:.2f} GiB, "
+                  f"reserved {torch.cuda.memory_reserved() / gib:.2f}, peak {torch.cuda.max_memory_allocated() / gib:.2f}",
+                  flush=True)
+
+    register_optimizer_step_post_hook(after_step)
+
+
 def cap_memory(gib: float | None) -> None:
     """Cap this process's GPU memory at ``gib`` GiB (None: the whole device), as a smaller card would; the allocator's
     cache is emptied first so the cap applies to what the next row allocates."""
@@ -226,10 +248,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
                              "documents of 256 to --tokens - 256 tokens, LoRA r32")
     parser.add_argument("--no-4bit", action="store_true", help="bf16 LoRA instead of QLoRA")
     parser.add_argument("--fp16", action="store_true", help="float16 compute and training, as on a T4")
+    parser.add_argument("--memory-log", action="store_true",
+                        help="print the GPU memory before each row and after every optimizer step (allocated, reserved, "
+                             "peak), nbkit's INFO messages (what each speedup decided, from which memory figures) "
+                             "and each CUDA-graph capture's reserved memory")
     parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU: checks the script runs")
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() or args.tiny):
         raise SystemExit("this benchmark needs a CUDA GPU (or --tiny for a CPU smoke run)")
+    if args.memory_log:
+        log_memory()
     shape = "tiny" if args.tiny else args.shape
     quantize = not (args.no_4bit or args.tiny)
     folder = tempfile.mkdtemp(prefix=f"nbkit-e2e-{shape}-")
@@ -246,6 +274,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         tokens = args.tokens = int(tokens)
         cap_gib = float(cap) if cap else None
         cap_memory(cap_gib)
+        if args.memory_log and torch.cuda.is_available():
+            print(f"memory before the {spec_row} row: allocated {torch.cuda.memory_allocated() / 2**30:.2f} GiB, "
+                  f"reserved {torch.cuda.memory_reserved() / 2**30:.2f}", flush=True)
         if args.recipe == "notebook":  # one document per row, cut to the row length as a user's max_length would
             mean_len = tokens // 2
             n_docs = 8 * (args.warmup + args.steps + 2)
