@@ -87,14 +87,11 @@ def _close(a: list[dict], b: list[dict]) -> None:
 BATCHES = [[120, 80, 100], [256, 128], [50, 150, 40], [120, 80, 100]]
 
 
-def test_padded_replays_give_the_eager_layers_loss_and_lora_gradients(caplog):
+def test_padded_replays_give_the_eager_layers_loss_and_lora_gradients():
     batches = [_batch(lengths, seed) for seed, lengths in enumerate(BATCHES)]
     plain = _steps(_model(), batches, PackedAttention(kernel="sdpa"), FusedLoRA())
     graphs = CudaGraphs(mode=True, backend=TapeBackend())
-    with caplog.at_level("DEBUG", logger="nbkit.speedups.cuda_graphs"):
-        graphed = _steps(_model(), batches, PackedAttention(kernel="sdpa"), FusedLoRA(), graphs)
-    # each capture says what it reserved (0 off CUDA): what reading an out-of-memory under graphs needs
-    assert caplog.text.count("layers captured at") == 2 and "4 layers captured at 384 tokens" in caplog.text
+    graphed = _steps(_model(), batches, PackedAttention(kernel="sdpa"), FusedLoRA(), graphs)
     torch.testing.assert_close(graphed[0], plain[0], rtol=1e-5, atol=0)
     _close(graphed[1], plain[1])
     layers = 4  # tiny_model's qwen3

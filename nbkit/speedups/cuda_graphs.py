@@ -52,7 +52,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 
-from ..memory import fmt_bytes, gpu_in_use, gpu_reserved, memory_readings
+from ..memory import gpu_in_use, memory_readings
 from ..model_parts import decoder_layers, unwrap_model
 from ..ops.layer_graphs import CudaGraphBackend, GraphedLayer, UnreachedParameters, replay
 from ..ops.varlen_attention import KERNEL_FNS, PackedRun
@@ -327,7 +327,6 @@ class CudaGraphs:
         self._captures += 1
         pool = self.backend.pool()
         bucket = variant.bucket
-        reserved = gpu_reserved(x.device)
         shared = self._shared.get(bucket)
         if shared is None:
             shared = self._shared[bucket] = BucketMetadata(bucket, kwargs["nbkit_run"].kernel, x.device)
@@ -379,9 +378,6 @@ class CudaGraphs:
         for i, graphs in zip(attempted, captured):
             self._graphs[(i, variant)] = graphs
         self.captured += len(captured)
-        # the pools' memory is reserved, mostly not allocated: what reading an out-of-memory needs
-        logger.debug("nbkit cuda_graphs: %d layers captured at %d tokens; reserved GPU memory %s -> %s",
-                     len(captured), bucket, fmt_bytes(reserved), fmt_bytes(gpu_reserved(x.device)))
         if captured:
             self._say("on", f"decoder layers replay as CUDA graphs (buckets of up to {self.max_tokens} tokens)",
                       logging.INFO)
