@@ -25,9 +25,16 @@ whether it holds for this call, until the layer is un-checkpointed, or for the v
 layer checkpointed (its recompute is not graphed), more tokens than ``max_tokens``, more documents than a bucket
 holds, an argument the graph cannot take (a padding mask, a KV cache, an unknown tensor), no varlen kernel
 (``cached_packing`` with the ``varlen`` or ``flash_attn`` kernel), hooks on a module inside the layer (a graph would
-run them once, at capture), not enough free memory for another layer's graphs (what is left of the process's limit,
-``nbkit.memory.gpu_limit``, must stay above ``RESERVE`` of that limit and above the step's peak so far less what it
-holds now), a trainable parameter the graph does not reach (held by reference outside its module). Not attached: not
+run them once, at capture), not enough free memory for another layer's graphs (what the allocator has not reserved
+of the process's limit, ``nbkit.memory.gpu_limit``, must stay above ``RESERVE`` of that limit and above the step's
+peak so far less what it holds now: reserved, because the pools keep their memory between replays), a trainable
+parameter the graph does not reach (held by reference outside its module).
+
+Near the memory limit: a pool holds its graphs' activations for good, so a second copy of them is what would run
+the GPU out of memory. A row whose bucket has no graphs yet, when that bucket's capture does not fit, replays the
+smallest captured bucket that holds it (padded, as every shorter row is; ``reused`` counts those forwards). An eager
+call of a layer that has graphs is checkpointed (its input kept, its forward recomputed in backward; ``recomputed``
+counts them). Not attached: not
 CUDA, a MoE model (the experts' shapes depend on the routing), dropout in a decoder layer (random numbers would
 repeat).
 
@@ -165,7 +172,8 @@ class CudaGraphs:
     """Replay un-checkpointed decoder layers as CUDA graphs, one set per token bucket (see module docstring).
 
     Since the last attach (kept after detach): ``captured`` counts the (layer, bucket) pairs captured, ``replays``
-    the graphed layer calls, and ``eager`` the calls that ran eagerly, by reason.
+    the graphed layer calls, ``eager`` the calls that ran eagerly, by reason, ``recomputed`` those of them that were
+    checkpointed, and ``reused`` the forwards that replayed a larger bucket for want of memory for their own.
     """
 
     name = "cuda_graphs"
