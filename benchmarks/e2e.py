@@ -124,6 +124,7 @@ def log_memory() -> None:
 
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("nbkit").setLevel(logging.INFO)
+    logging.getLogger("nbkit.speedups.cuda_graphs").setLevel(logging.DEBUG)  # each capture's reserved memory
     steps = [0]
 
     def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -249,7 +250,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--fp16", action="store_true", help="float16 compute and training, as on a T4")
     parser.add_argument("--memory-log", action="store_true",
                         help="print the GPU memory before each row and after every optimizer step (allocated, reserved, "
-                             "peak) and nbkit's INFO messages (what each speedup decided, from which memory figures)")
+                             "peak), nbkit's INFO messages (what each speedup decided, from which memory figures) "
+                             "and each CUDA-graph capture's reserved memory")
     parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU: checks the script runs")
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() or args.tiny):

@@ -14,7 +14,8 @@ driver query):
   the device (``torch.cuda.set_per_process_memory_fraction``), and no more than what its allocator holds plus what
   the device has free (another process, the CUDA context and non-torch allocations are not ours).
 - ``memory_readings(device)``: (limit, peak allocated, allocated now), the three numbers a speedup decides by.
-- ``gpu_in_use(device)``: bytes held by tensors now; ``room_for(device, n)``: whether ``n`` more bytes can be had
+- ``gpu_in_use(device)``: bytes held by tensors now; ``gpu_reserved(device)``: bytes the allocator holds, graph
+  pools included; ``room_for(device, n)``: whether ``n`` more bytes can be had
   from the allocator's cache, or twice that below the limit; ``shares_host_memory(device)``: an integrated GPU.
 """
 
@@ -190,6 +191,15 @@ def gpu_in_use(device: Any) -> int:
 
     device = _indexed(device)
     return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0
+
+
+def gpu_reserved(device: Any) -> int:
+    """Bytes the caching allocator holds on a CUDA ``device``, CUDA-graph pools included (their memory is reserved
+    for the graphs whether or not a tensor holds it now); 0 off CUDA."""
+    import torch
+
+    device = _indexed(device)
+    return int(torch.cuda.memory_reserved(device)) if device.type == "cuda" else 0
 
 
 def memory_readings(device: Any) -> Optional[MemoryReadings]:

@@ -87,11 +87,14 @@ def _close(a: list[dict], b: list[dict]) -> None:
 BATCHES = [[120, 80, 100], [256, 128], [50, 150, 40], [120, 80, 100]]
 
 
-def test_padded_replays_give_the_eager_layers_loss_and_lora_gradients():
+def test_padded_replays_give_the_eager_layers_loss_and_lora_gradients(caplog):
     batches = [_batch(lengths, seed) for seed, lengths in enumerate(BATCHES)]
     plain = _steps(_model(), batches, PackedAttention(kernel="sdpa"), FusedLoRA())
     graphs = CudaGraphs(mode=True, backend=TapeBackend())
-    graphed = _steps(_model(), batches, PackedAttention(kernel="sdpa"), FusedLoRA(), graphs)
+    with caplog.at_level("DEBUG", logger="nbkit.speedups.cuda_graphs"):
+        graphed = _steps(_model(), batches, PackedAttention(kernel="sdpa"), FusedLoRA(), graphs)
+    # each capture says what it reserved (0 off CUDA): what reading an out-of-memory under graphs needs
+    assert caplog.text.count("layers captured at") == 2 and "4 layers captured at 384 tokens" in caplog.text
     torch.testing.assert_close(graphed[0], plain[0], rtol=1e-5, atol=0)
     _close(graphed[1], plain[1])
     layers = 4  # tiny_model's qwen3
@@ -183,28 +186,99 @@ def test_auto_graphs_only_buckets_small_enough_for_the_launches_to_matter(monkey
 
 
 def test_another_layer_is_captured_only_while_the_step_keeps_its_headroom(monkeypatch):
-    """What is left of the process's limit must stay above 10% of it and above the step's peak so far less what it
-    holds now (readings as selective_checkpointing takes them: the limit, the peak, allocated now)."""
+    """What is not reserved of the process's limit, less the graphs asked for (a layer's measured graphs scaled to the
+    bucket), must stay above 10% of the limit and above the step's peak so far less what it holds now (readings as
+    selective_checkpointing takes them: the limit, the peak, allocated now). Reserved, not allocated: the graphs'
+    pools keep their memory between replays, and no other allocation can use it."""
     gib = 2**30
     graphs = CudaGraphs(mode=True)
-    graphs._layer_bytes = 1 * gib
+    graphs._layer_bytes, graphs._layer_bucket = 1 * gib, 4096
     cuda = torch.device("cuda", 0)
-    readings = {"peak": 25 * gib, "limit": 32 * gib}
+    readings = {"peak": 25 * gib, "limit": 32 * gib, "reserved": 20 * gib}
     monkeypatch.setattr(graphs_mod, "memory_readings",
                         lambda device: (readings["limit"], readings["peak"], 20 * gib) if device.type == "cuda" else None)
+    monkeypatch.setattr(graphs_mod, "gpu_reserved", lambda device: readings["reserved"])
     readings.update(limit=100 * gib)
-    assert graphs._memory_problem(cuda) is None  # 80 - 1 >= max(10, 25 - 20)
+    assert graphs._memory_problem(cuda, 4096) is None  # 80 - 1 >= max(10, 25 - 20)
     readings.update(limit=32 * gib)
-    assert graphs._memory_problem(cuda) is None  # 12 - 1 >= max(3.2, 5)
-    readings.update(peak=32 * gib)
-    assert "12.0 GiB left" in graphs._memory_problem(cuda)  # the step may still need 12 GiB more
+    assert graphs._memory_problem(cuda, 4096) is None  # 12 - 1 >= max(3.2, 5)
+    assert graphs._memory_problem(cuda, 4096, layers=8) is not None  # 12 - 8 < 5
+    assert graphs._memory_problem(cuda, 2048, layers=8) is None  # 12 - 4 >= 5: half the bucket, half the bytes
+    readings.update(reserved=27 * gib)  # 7 GiB held by pools, not by tensors
+    assert "5.0 GiB not reserved" in graphs._memory_problem(cuda, 4096)
+    readings.update(reserved=20 * gib, peak=32 * gib)
+    assert "12.0 GiB not reserved" in graphs._memory_problem(cuda, 4096)  # the step may still need 12 GiB more
     readings.update(peak=20 * gib, limit=31.5 * gib)
-    assert graphs._memory_problem(cuda) is None  # 11.5 - 1 >= 3.15
+    assert graphs._memory_problem(cuda, 4096) is None  # 11.5 - 1 >= 3.15
     readings.update(limit=22 * gib)
-    assert graphs._memory_problem(cuda) is not None  # 2 - 1 < 10% of the limit
-    assert graphs._memory_problem(torch.device("cpu")) is None
+    assert graphs._memory_problem(cuda, 4096) is not None  # 2 - 1 < 10% of the limit
+    assert graphs._memory_problem(torch.device("cpu"), 4096) is None
     graphs._layer_bytes = None
-    assert graphs._memory_problem(cuda) is None  # the first layer: nothing to size by yet
+    assert graphs._memory_problem(cuda, 4096) is None  # the first layer: nothing to size by yet
+
+
+def _attached(model, graphs):
+    for s in (PackedAttention(kernel="sdpa"), FusedLoRA(), graphs):
+        assert s.attach(model)
+
+
+def _step(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _plain(batches):
+    model = _model()
+    for s in (PackedAttention(kernel="sdpa"), FusedLoRA()):
+        s.attach(model)
+    return [_step(model, b) for b in batches]
+
+
+def test_a_row_whose_bucket_does_not_fit_replays_a_larger_captured_one(monkeypatch):
+    """Near the limit a new bucket's pools beside the others' run the GPU out of memory: a row whose own bucket cannot
+    be captured replays the smallest captured bucket that holds it, padded, with the eager layers' numbers."""
+    batches = [_batch([256, 128], seed=1), _batch([120, 80], seed=2)]  # buckets 384, then 256
+    expected = _plain(batches)
+    graphs = CudaGraphs(mode=True, backend=TapeBackend())
+    model = _model()
+    _attached(model, graphs)
+    monkeypatch.setattr(CudaGraphs, "_memory_problem",
+                        lambda self, device, bucket, layers=1: "no memory" if bucket < 384 and layers > 1 else None)
+    got = [_step(model, batches[0])]
+    graphs._layer_bytes = 1  # as a CUDA capture measures it (the CPU tape does not)
+    got.append(_step(model, batches[1]))
+    layers = 4
+    assert graphs.captured == layers and graphs.reused == 1  # no capture at 256: the 384 graphs replayed
+    assert graphs.replays == 2 * layers and graphs.eager == {} and graphs.recomputed == 0
+    for (loss, grads), (ref_loss, ref_grads) in zip(got, expected):
+        assert loss == pytest.approx(ref_loss, rel=1e-5, abs=0)
+        _close([grads], [ref_grads])
+
+
+def test_an_eager_call_of_a_graphed_layer_recomputes_instead_of_keeping_a_second_copy():
+    """A graphed layer's pool keeps its activations between replays; when one of its calls runs eagerly (a row above
+    every bucket, too many documents), keeping that call's activations too would hold them twice: it is checkpointed
+    (its input kept, its forward recomputed in backward), with the same numbers."""
+    batches = [_batch([200, 56], seed=1), _batch([300, 100], seed=2)]  # 256 tokens: graphs; 400: above max_tokens
+    expected = _plain(batches)
+    graphs = CudaGraphs(mode=True, backend=TapeBackend(), max_tokens=256)
+    model = _model()
+    _attached(model, graphs)
+    saved = []
+    got = [_step(model, batches[0])]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        got.append(_step(model, batches[1]))
+    layers = 4
+    # what the eager forward kept: each layer's input and the head's tensors, not every layer's activations
+    hidden = model.base_model.model.config.hidden_size
+    assert sum(saved) < 400 * hidden * (layers + 8)
+    assert graphs.captured == layers and graphs.recomputed == layers
+    assert graphs.eager == {"more than 256 tokens": layers}
+    for (loss, grads), (ref_loss, ref_grads) in zip(got, expected):
+        assert loss == pytest.approx(ref_loss, rel=1e-5, abs=0)
+        _close([grads], [ref_grads])
 
 
 def test_a_4bit_weight_counts_by_its_unpacked_shape():

@@ -66,7 +66,8 @@ def test_room_for_asks_the_driver_only_on_a_cache_miss(monkeypatch):
 
 
 def test_in_use_reads_the_allocator_and_zero_off_cuda(monkeypatch):
-    device = _fake_gpu(monkeypatch, allocated=7)
+    device = _fake_gpu(monkeypatch, allocated=7, reserved=9)
     assert memory.gpu_in_use(device) == 7 * GIB
+    assert memory.gpu_reserved(device) == 9 * GIB and memory.gpu_reserved(torch.device("cpu")) == 0
     assert memory.gpu_in_use(torch.device("cpu")) == 0
     assert not memory.shares_host_memory(device) and not memory.shares_host_memory(torch.device("cpu"))

@@ -25,9 +25,16 @@ whether it holds for this call, until the layer is un-checkpointed, or for the v
 layer checkpointed (its recompute is not graphed), more tokens than ``max_tokens``, more documents than a bucket
 holds, an argument the graph cannot take (a padding mask, a KV cache, an unknown tensor), no varlen kernel
 (``cached_packing`` with the ``varlen`` or ``flash_attn`` kernel), hooks on a module inside the layer (a graph would
-run them once, at capture), not enough free memory for another layer's graphs (what is left of the process's limit,
-``nbkit.memory.gpu_limit``, must stay above ``RESERVE`` of that limit and above the step's peak so far less what it
-holds now), a trainable parameter the graph does not reach (held by reference outside its module). Not attached: not
+run them once, at capture), not enough free memory for another layer's graphs (what the allocator has not reserved
+of the process's limit, ``nbkit.memory.gpu_limit``, must stay above ``RESERVE`` of that limit and above the step's
+peak so far less what it holds now: reserved, because the pools keep their memory between replays), a trainable
+parameter the graph does not reach (held by reference outside its module).
+
+Near the memory limit: a pool holds its graphs' activations for good, so a second copy of them is what would run
+the GPU out of memory. A row whose bucket has no graphs yet, when that bucket's capture does not fit, replays the
+smallest captured bucket that holds it (padded, as every shorter row is; ``reused`` counts those forwards). An eager
+call of a layer that has graphs is checkpointed (its input kept, its forward recomputed in backward; ``recomputed``
+counts them). Not attached: not
 CUDA, a MoE model (the experts' shapes depend on the routing), dropout in a decoder layer (random numbers would
 repeat).
 
@@ -51,8 +58,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from ..memory import gpu_in_use, memory_readings
+from ..memory import fmt_bytes, gpu_in_use, gpu_reserved, memory_readings
 from ..model_parts import decoder_layers, unwrap_model
 from ..ops.layer_graphs import CudaGraphBackend, GraphedLayer, UnreachedParameters, replay
 from ..ops.varlen_attention import KERNEL_FNS, PackedRun
@@ -164,7 +172,8 @@ class CudaGraphs:
     """Replay un-checkpointed decoder layers as CUDA graphs, one set per token bucket (see module docstring).
 
     Since the last attach (kept after detach): ``captured`` counts the (layer, bucket) pairs captured, ``replays``
-    the graphed layer calls, and ``eager`` the calls that ran eagerly, by reason.
+    the graphed layer calls, ``eager`` the calls that ran eagerly, by reason, ``recomputed`` those of them that were
+    checkpointed, and ``reused`` the forwards that replayed a larger bucket for want of memory for their own.
     """
 
     name = "cuda_graphs"
@@ -183,6 +192,8 @@ class CudaGraphs:
     def _count(self) -> None:
         self.captured = 0
         self.replays = 0
+        self.recomputed = 0
+        self.reused = 0
         self.eager: dict[str, int] = {}
 
     def _reset(self) -> None:
@@ -193,7 +204,9 @@ class CudaGraphs:
         self._captures = 0
         self._plan_run: Optional[PackedRun] = None
         self._plan_of_run: Union[Eager, Variant, None] = None
-        self._layer_bytes: Optional[int] = None
+        self._layer_bytes: Optional[int] = None  # what one layer's graphs keep, measured at _layer_bucket tokens
+        self._layer_bucket = 1
+        self._graphed: set[int] = set()  # layers with graphs in some variant: their pools hold their activations
 
     @property
     def engaged(self) -> bool:
@@ -263,6 +276,11 @@ class CudaGraphs:
                     return replay(graphs, hidden_states)
             self._say(f"eager:{why.text}", f"a layer call ran eagerly: {why.text}", logging.INFO)
             self.eager[why.text] = self.eager.get(why.text, 0) + 1
+            if index in self._graphed and why is not CHECKPOINTED and torch.is_grad_enabled() and layer.training:
+                # its graphs' pool holds its activations already: a second copy outside it is what runs a
+                # GPU near its limit out of memory, so this call keeps only its input and recomputes
+                self.recomputed += 1
+                return checkpoint(original, hidden_states, *args, use_reentrant=False, **kwargs)
             return original(hidden_states, *args, **kwargs)
 
         return forward
@@ -306,7 +324,28 @@ class CudaGraphs:
                                  and k not in ("max_length_q", "max_length_k")))
         autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
         tokenwise = tuple(k for k in TOKENWISE_KWARGS if kwargs.get(k) is not None)
-        return Variant(bucket, autocast, constants, tokenwise)
+        return self._fitting(Variant(bucket, autocast, constants, tokenwise), x, run.cu_q.numel() - 1)
+
+    def _fitting(self, variant: Variant, x: torch.Tensor, docs: int) -> Variant:
+        """``variant``, or, when it has no graphs yet and the memory its capture takes is not there, the smallest
+        variant already captured for a larger bucket that holds the row (padded as every shorter row is): a new
+        bucket's pools beside the others' are what runs a GPU near its limit out of memory."""
+        if self._layer_bytes is None or any(v == variant for _, v in self._graphs):
+            return variant
+        eligible = sum(1 for layer in self._layers if not getattr(layer, "gradient_checkpointing", False))
+        if self._memory_problem(x.device, variant.bucket, max(eligible, 1)) is None:
+            return variant
+        larger = sorted({v for (i, v), e in self._graphs.items() if isinstance(e, GraphedLayer)
+                         and v.bucket > variant.bucket and doc_capacity(v.bucket) >= docs
+                         and (v.autocast, v.constants, v.tokenwise) == (variant.autocast, variant.constants,
+                                                                         variant.tokenwise)},
+                        key=lambda v: v.bucket)
+        if not larger:
+            return variant  # captured layer by layer while memory lasts; the rest run eagerly, recomputed
+        self.reused += 1
+        self._say(f"reuse{variant.bucket}", f"rows of up to {variant.bucket} tokens replay the {larger[0].bucket}-token "
+                  "graphs: no memory for another bucket's", logging.INFO)
+        return larger[0]
 
     def _graphs_for(self, index: int, variant: Variant, x: torch.Tensor, kwargs: dict) -> Union[GraphedLayer, Eager]:
         """This layer's graphs for the forward's variant (captured now, from this layer on, if new), or why it has
@@ -327,6 +366,7 @@ class CudaGraphs:
         self._captures += 1
         pool = self.backend.pool()
         bucket = variant.bucket
+        reserved = gpu_reserved(x.device)
         shared = self._shared.get(bucket)
         if shared is None:
             shared = self._shared[bucket] = BucketMetadata(bucket, kwargs["nbkit_run"].kernel, x.device)
@@ -347,7 +387,7 @@ class CudaGraphs:
                     why = HOOKED
                     self._say(f"hooks{i}", f"layer {i} runs eagerly: a module inside it has hooks (they would run "
                               "at the capture only)")
-                elif (memory := self._memory_problem(x.device)) is not None:
+                elif (memory := self._memory_problem(x.device, bucket)) is not None:
                     why = Eager(memory, Kind.LASTING)
                     self._say(f"mem{bucket}", f"layer {i} and later run eagerly at {bucket} tokens: {memory}")
                 if why is not None:
@@ -363,7 +403,9 @@ class CudaGraphs:
                 before = gpu_in_use(x.device)
                 graphs.capture_forward()
                 if x.is_cuda:  # what the forward's graph keeps, twice: the backward's graph comes on top
-                    self._layer_bytes = max(self._layer_bytes or 0, 2 * (gpu_in_use(x.device) - before))
+                    kept = 2 * (gpu_in_use(x.device) - before)
+                    if self._layer_bytes is None or kept / bucket > self._layer_bytes / self._layer_bucket:
+                        self._layer_bytes, self._layer_bucket = kept, bucket
                 captured.append(graphs)
                 x_grad = x_grad or bool(graphs.trainable)
             for graphs in reversed(captured):
@@ -377,20 +419,29 @@ class CudaGraphs:
             return
         for i, graphs in zip(attempted, captured):
             self._graphs[(i, variant)] = graphs
+            self._graphed.add(i)
         self.captured += len(captured)
+        # the pools' memory is reserved, mostly not allocated: what reading an out-of-memory needs
+        logger.debug("nbkit cuda_graphs: %d layers captured at %d tokens; reserved GPU memory %s -> %s",
+                     len(captured), bucket, fmt_bytes(reserved), fmt_bytes(gpu_reserved(x.device)))
         if captured:
             self._say("on", f"decoder layers replay as CUDA graphs (buckets of up to {self.max_tokens} tokens)",
                       logging.INFO)
 
-    def _memory_problem(self, device: torch.device) -> Optional[str]:
+    def _memory_problem(self, device: torch.device, bucket: int, layers: int = 1) -> Optional[str]:
+        """Why ``layers`` more layers' graphs at ``bucket`` tokens do not fit now, or None. The free memory is the
+        limit less what the allocator has reserved, not less what tensors hold: the graphs' pools keep their memory
+        reserved between replays, and no other allocation can use it."""
         readings = memory_readings(device) if self._layer_bytes is not None else None
         if readings is None:  # off CUDA, or the first layer: nothing to size by yet
             return None
         limit, peak, allocated = readings
+        reserved = max(gpu_reserved(device), allocated)
+        need = layers * self._layer_bytes * bucket // self._layer_bucket
         # what the step may still need beyond what it holds now: the peak so far above the present, at least RESERVE
         headroom = max(RESERVE * limit, peak - allocated)
-        if limit - allocated - self._layer_bytes < headroom:
-            return (f"no memory for more graphs ({(limit - allocated) / 2**30:.1f} GiB left, a layer's graphs take "
-                    f"~{self._layer_bytes / 2**30:.2f} GiB and {headroom / 2**30:.1f} GiB stay free for the step)")
+        if limit - reserved - need < headroom:
+            return (f"no memory for more graphs ({(limit - reserved) / 2**30:.1f} GiB not reserved, "
+                    f"{'a layer' if layers == 1 else f'{layers} layers'}' graphs take ~{need / 2**30:.2f} GiB and "
+                    f"{headroom / 2**30:.1f} GiB stay free for the step)")
         return None
-

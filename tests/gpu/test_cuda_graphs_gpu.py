@@ -158,3 +158,56 @@ def test_a_replayed_layer_matches_its_eager_forward_and_backward_bucket_by_bucke
     for (le, ge), (lg, gg) in zip(eager, graphed):
         assert lg == pytest.approx(le, rel=5e-3)
         assert max_relative(gg, ge) < 3e-2
+
+
+def test_near_the_limit_a_row_replays_a_larger_bucket_and_an_eager_call_recomputes(monkeypatch):
+    """Real graphs: a row whose own bucket is refused for memory replays the captured larger bucket (no new capture),
+    and a row above ``max_tokens`` runs the graphed layers checkpointed; losses and gradients as the eager layers'."""
+    from peft import LoraConfig, get_peft_model
+
+    from nbkit.demo.models import tiny_model
+    from nbkit.ops.packed_boundaries import metadata_from_lengths
+    from nbkit.speedups.cuda_graphs import CudaGraphs
+    from nbkit.speedups.fused_lora import FusedLoRA
+    from nbkit.speedups.packed_attention import PackedAttention
+
+    torch.manual_seed(0)
+    model = tiny_model("qwen3", 512, dtype=torch.bfloat16, seed=0, **SHAPE).cuda()
+    model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0)).train()
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.02)
+    rows = [[400, 600], [100, 200], [3000, 1000], [400, 600]]  # buckets 1024, 384 (refused), above 2048, 1024
+    monkeypatch.setattr(CudaGraphs, "_memory_problem",
+                        lambda self, device, bucket, layers=1: "no memory" if bucket < 1024 and layers > 1 else None)
+
+    def run(with_graphs: bool):
+        graphs = CudaGraphs(mode=True, max_tokens=2048)
+        speedups = [PackedAttention(kernel="varlen"), FusedLoRA()] + ([graphs] if with_graphs else [])
+        for s in speedups:
+            assert s.attach(model)
+        out = []
+        try:
+            for i, lengths in enumerate(rows):
+                meta = metadata_from_lengths(lengths)
+                batch = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in meta.items()}
+                ids = torch.randint(0, 512, (1, sum(lengths)), device="cuda",
+                                    generator=torch.Generator("cuda").manual_seed(i))
+                model.zero_grad(set_to_none=True)
+                loss = model(input_ids=ids, labels=ids, use_cache=False, **batch).loss
+                loss.backward()
+                out.append((loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters()
+                                          if p.grad is not None}))
+        finally:
+            for s in reversed(speedups):
+                s.detach()
+        return out, graphs
+
+    eager, _ = run(False)
+    graphed, graphs = run(True)
+    layers = 4
+    assert graphs.captured == layers and graphs.reused == 1 and graphs.replays == 3 * layers
+    assert graphs.recomputed == layers and graphs.eager == {"more than 2048 tokens": layers}
+    for (le, ge), (lg, gg) in zip(eager, graphed):
+        assert lg == pytest.approx(le, rel=5e-3)
+        assert max_relative(gg, ge) < 3e-2
