@@ -4,7 +4,10 @@ Why: in a profiled FastSFT step (H200, Qwen3-1.7B QLoRA, 16K tokens) the decoder
 embedding ran as chains of small elementwise kernels (fp32 upcasts, pow, mean, rsqrt, multiplies, casts, slices and
 concatenations), each reading and writing a full activation: together with the LoRA glue, more GPU time than the
 matrix products. Liger-Kernel already ships one Triton kernel per op with a matching backward, so nbkit uses it
-(an optional dependency: ``pip install "nbkit-sft[liger]"``) rather than its own kernels.
+(an optional dependency: ``pip install "nbkit-sft[liger]"``) rather than its own kernels, with one exception: a norm
+whose weight is frozen (every norm under LoRA) runs ``nbkit.ops.rms_norm``, whose backward computes the input
+gradient only over independent blocks of rows, where Liger's loops over each SM's share of the rows in turn (a
+fixed cost per call, ~55-60 us on an H200). The choice is made per call, by ``weight.requires_grad``.
 
 How it hooks in:
 - RMSNorm modules and gated MLPs get an instance ``forward`` that calls Liger's op (removed on ``detach``).
@@ -28,6 +31,7 @@ import torch
 from torch import nn
 
 from ..model_parts import unwrap_model
+from ..ops.rms_norm import CASTINGS, rms_norm
 from .ledger import PatchLedger
 
 logger = logging.getLogger(__name__)
@@ -59,13 +63,28 @@ class KernelOps(NamedTuple):
     source: str
 
 
+def frozen_weight_first(general: Callable, frozen: Callable) -> Callable:
+    """An ``rms_norm`` op (Liger's signature) that calls ``frozen(x, w, eps, offset, casting)`` when ``w`` does not
+    train and its casting is one ``nbkit.ops.rms_norm`` has, and ``general`` otherwise."""
+
+    def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float = 0.0, casting_mode: str = "llama",
+                 in_place: bool = True) -> torch.Tensor:
+        if w.requires_grad or casting_mode not in CASTINGS:
+            return general(x, w, eps, offset, casting_mode, in_place)
+        return frozen(x, w, eps, offset, casting_mode)
+
+    return rms_norm
+
+
 def liger_ops() -> Optional[KernelOps]:
-    """Liger-Kernel's ops, or None when it is not installed (or fails to import)."""
+    """Liger-Kernel's ops (frozen-weight norms through ``nbkit.ops.rms_norm``), or None when Liger is not installed
+    (or fails to import)."""
     try:
         from liger_kernel.transformers import functional as F
     except Exception:
         return None
-    return KernelOps(F.liger_rms_norm, F.liger_swiglu, F.liger_geglu, F.liger_rope, "liger")
+    return KernelOps(frozen_weight_first(F.liger_rms_norm, rms_norm), F.liger_swiglu, F.liger_geglu, F.liger_rope,
+                     "liger")
 
 
 def _rms_forward(module: nn.Module, op: Callable, offset: float, casting: str) -> Callable[[torch.Tensor], torch.Tensor]:
