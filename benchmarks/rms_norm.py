@@ -2,10 +2,12 @@
 Qwen3 step (the hidden-size norms and the per-head q/k norms) for the 1.7B and 14B shapes.
 
 Op level, to explain a step's profile, not a speed claim (those are trainer level, ``benchmarks.e2e``): each case
-times one forward and one backward (the incoming gradient given), bf16, weight frozen, with CUDA events around
-``--reps`` calls after 10 warm-up calls, median of 5 such runs (min-max), in microseconds a call; beside it the
-bandwidth the nbkit kernels reach (x and y forward, x, dy and dx backward, over the call) and the largest
-difference between the two ops' outputs and input gradients.
+runs one forward and one backward (the incoming gradient given), bf16, weight frozen, ``--reps`` calls after 10
+warm-up calls. Two figures a call, in microseconds: the GPU kernel time (``torch.profiler``, the sum of the call's
+kernels: what a GPU-bound or CUDA-graphed step pays), and the wall time with CUDA events (median of 5 runs; at these
+sizes it is the host's Python and launches, which a graphed step does not pay). Beside them the bandwidth the nbkit
+kernels reach (x and y forward, x, dy and dx backward, over the kernel time) and the largest difference between the
+two ops' outputs and input gradients.
 
     python -m benchmarks.rms_norm
 """
@@ -52,6 +54,17 @@ def time_op(op: Callable, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, re
     return runs
 
 
+def kernel_us(op: Callable, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, reps: int) -> float:
+    """GPU kernel time per forward + backward call, microseconds."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            xx = x.detach().requires_grad_(True)
+            op(xx, w).backward(dy)
+        torch.cuda.synchronize()
+    return sum(e.device_time for e in prof.events()
+               if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA) / reps
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="2048,4096,16384")
@@ -71,8 +84,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         outs = {}
         for label, op in ops.items():
             runs = time_op(op, x, w, dy, args.reps)
-            row[f"{label}_us"] = statistics.median(runs)
-            row[f"{label}_us_min"], row[f"{label}_us_max"] = min(runs), max(runs)
+            row[f"{label}_wall_us"] = statistics.median(runs)
+            row[f"{label}_wall_us_min"], row[f"{label}_wall_us_max"] = min(runs), max(runs)
+            row[f"{label}_us"] = kernel_us(op, x, w, dy, args.reps)
             xx = x.detach().requires_grad_(True)
             y = op(xx, w)
             y.backward(dy)
@@ -81,8 +95,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         row["nbkit_GBps"] = 5 * x.numel() * x.element_size() / (row["nbkit_us"] * 1e-6) / 1e9
         row["max_diff_y"] = float((outs["liger"][0].float() - outs["nbkit"][0].float()).abs().max())
         row["max_diff_dx"] = float((outs["liger"][1].float() - outs["nbkit"][1].float()).abs().max())
-        print(f"{name:16s} {n_rows:>7d} x {n:<5d} liger {row['liger_us']:8.1f} us  nbkit {row['nbkit_us']:8.1f} us "
-              f"({row['speedup']:.1f}x, {row['nbkit_GBps']:.0f} GB/s)  max diff y {row['max_diff_y']:.3g} "
+        print(f"{name:16s} {n_rows:>7d} x {n:<5d} kernels: liger {row['liger_us']:7.1f} us  nbkit "
+              f"{row['nbkit_us']:7.1f} us ({row['speedup']:.1f}x, {row['nbkit_GBps']:.0f} GB/s); wall: liger "
+              f"{row['liger_wall_us']:.0f} nbkit {row['nbkit_wall_us']:.0f} us; max diff y {row['max_diff_y']:.3g} "
               f"dx {row['max_diff_dx']:.3g}", flush=True)
         rows.append(row)
     write_results("rms_norm", {"rows": rows}, argv=argv)
