@@ -141,11 +141,12 @@ SWITCHES: tuple[Switch, ...] = (
     ),
     Switch(
         "fused_kernels", "auto", values=AUTO_BOOL,
-        summary="Liger-Kernel's fused RMSNorm, SwiGLU/GeGLU and RoPE on CUDA, when installed "
-        "(`pip install \"nbkit-sft[liger]\"`).",
+        summary="Fused RMSNorm, SwiGLU/GeGLU and RoPE kernels on CUDA (Liger-Kernel's; frozen norms nbkit's), when Liger is "
+        "installed.",
         help="Liger-Kernel's fused RMSNorm, SwiGLU/GeGLU and RoPE on known families (Llama, Mistral, Qwen2/3, "
         "Qwen3-MoE, Mixtral, Gemma 1-3). 'auto': on when liger-kernel is installed (pip install "
-        "\"nbkit-sft[liger]\"; colab_setup.sh installs it on GPUs) and the model is on CUDA.",
+        "\"nbkit-sft[liger]\"; colab_setup.sh installs it on GPUs) and the model is on CUDA. A norm whose weight "
+        "does not train (every norm under LoRA) runs nbkit's RMSNorm kernel, whose backward computes no weight gradient.",
     ),
     Switch(
         "tiled_mlp", "auto", values=AUTO_BOOL,
