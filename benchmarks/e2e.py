@@ -14,7 +14,8 @@ Paths (``--paths``, comma separated):
 - ``sft``: TRL ``SFTTrainer`` with transformers' default attention (sdpa), what a TRL user gets without flash-attn.
 - ``sft_liger``: the same with ``use_liger_kernel=True`` (TRL applies Liger's layer kernels; its own fused LM head).
 - ``fastsft``: ``FastSFT`` with its defaults.
-- ``fastsft[switch=value;...]``: FastSFT with switches changed, e.g. ``fastsft[fused_lora=False;fused_kernels=False]``.
+- ``fastsft[switch=value;...]``: FastSFT with switches (or any config field, e.g. ``logging_steps``) changed, e.g.
+  ``fastsft[fused_lora=False;fused_kernels=False]``.
 
 ``--profile NAME`` runs ``torch.profiler`` over two steps of that path and prints kernel time by category, by
 operator and by module (forward ranges per module type; backward by autograd node), and writes the trace to $OUT.
@@ -188,10 +189,10 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
     timer = StepTimer()
     if name.startswith("fastsft"):
         cls = timed_trainer(fast=True)
-        config = FastSFTConfig(**common, **{"live_dashboard": False, **overrides})
+        config = FastSFTConfig(**{**common, "live_dashboard": False, **overrides})
     else:
         cls = timed_trainer(fast=False)
-        config = SFTConfig(**common, **overrides)
+        config = SFTConfig(**{**common, **overrides})
     base.set_attn_implementation("sdpa")
     rank, alpha = (32, 32) if notebook else (16, 32)
     peft_config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=LORA_TARGETS, lora_dropout=0.0,
