@@ -8,6 +8,8 @@ reductions over tokens); the padding itself adds exactly zero (checked on CPU, `
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import pytest
 import torch
 from grad_steps import StepGrads, max_relative
@@ -112,16 +114,11 @@ def test_graphs_train_as_the_eager_layers_on_a_4bit_base(tmp_path):
     _check(eager, again, graphed, True)
 
 
-def test_a_replayed_layer_matches_its_eager_forward_and_backward_bucket_by_bucket():
-    """One decoder layer, rows of 300, 1000 and 2048 tokens (buckets 384, 1024, 2048), the same row twice (a replay
-    of a captured graph, not a first capture): outputs and gradients against the eager layer, to bf16 rounding."""
+def _lora_model() -> torch.nn.Module:
+    """A tiny bf16 Qwen3 on the GPU with LoRA r8 on every linear layer (B not zero, so the adapters matter)."""
     from peft import LoraConfig, get_peft_model
 
     from nbkit.demo.models import tiny_model
-    from nbkit.ops.packed_boundaries import metadata_from_lengths
-    from nbkit.speedups.cuda_graphs import CudaGraphs
-    from nbkit.speedups.fused_lora import FusedLoRA
-    from nbkit.speedups.packed_attention import PackedAttention
 
     torch.manual_seed(0)
     model = tiny_model("qwen3", 512, dtype=torch.bfloat16, seed=0, **SHAPE).cuda()
@@ -129,31 +126,47 @@ def test_a_replayed_layer_matches_its_eager_forward_and_backward_bucket_by_bucke
     for name, p in model.named_parameters():
         if "lora_B" in name:
             p.data.normal_(0, 0.02)
+    return model
+
+
+def _rows_trained(model: torch.nn.Module, rows: list[list[int]], graphs: Any, seed_of: Callable[[int], int]) -> list:
+    """Forward and backward of each packed row (documents of ``lengths``) with varlen attention and fused LoRA, and
+    ``graphs`` (a ``CudaGraphs``) when given: each row's loss and LoRA gradients."""
+    from nbkit.ops.packed_boundaries import metadata_from_lengths
+    from nbkit.speedups.fused_lora import FusedLoRA
+    from nbkit.speedups.packed_attention import PackedAttention
+
+    speedups = [PackedAttention(kernel="varlen"), FusedLoRA()] + ([graphs] if graphs is not None else [])
+    for s in speedups:
+        assert s.attach(model)
+    out = []
+    try:
+        for i, lengths in enumerate(rows):
+            meta = metadata_from_lengths(lengths)
+            batch = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in meta.items()}
+            ids = torch.randint(0, 512, (1, sum(lengths)), device="cuda",
+                                generator=torch.Generator("cuda").manual_seed(seed_of(i)))
+            model.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=ids, use_cache=False, **batch).loss
+            loss.backward()
+            out.append((loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters()
+                                      if p.grad is not None}))
+    finally:
+        for s in reversed(speedups):
+            s.detach()
+    return out
+
+
+def test_a_replayed_layer_matches_its_eager_forward_and_backward_bucket_by_bucket():
+    """One decoder layer, rows of 300, 1000 and 2048 tokens (buckets 384, 1024, 2048), the same row twice (a replay
+    of a captured graph, not a first capture): outputs and gradients against the eager layer, to bf16 rounding."""
+    from nbkit.speedups.cuda_graphs import CudaGraphs
+
+    model = _lora_model()
     rows = [[100, 200], [1000], [512, 512, 1024], [100, 200]]
-
-    def run(with_graphs: bool):
-        speedups = [PackedAttention(kernel="varlen"), FusedLoRA()] + ([CudaGraphs(mode=True)] if with_graphs else [])
-        for s in speedups:
-            assert s.attach(model)
-        out = []
-        try:
-            for i, lengths in enumerate(rows):
-                meta = metadata_from_lengths(lengths)
-                batch = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in meta.items()}
-                ids = torch.randint(0, 512, (1, sum(lengths)), device="cuda",
-                                    generator=torch.Generator("cuda").manual_seed(i % 3))
-                model.zero_grad(set_to_none=True)
-                loss = model(input_ids=ids, labels=ids, use_cache=False, **batch).loss
-                loss.backward()
-                out.append((loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters()
-                                          if p.grad is not None}))
-        finally:
-            for s in reversed(speedups):
-                s.detach()
-        return out, speedups[-1]
-
-    eager, _ = run(False)
-    graphed, graphs = run(True)
+    eager = _rows_trained(model, rows, None, seed_of=lambda i: i % 3)
+    graphs = CudaGraphs(mode=True)
+    graphed = _rows_trained(model, rows, graphs, seed_of=lambda i: i % 3)
     assert graphs.eager == {} and graphs.replays == 4 * len(rows) and graphs.captured == 4 * 3
     for (le, ge), (lg, gg) in zip(eager, graphed):
         assert lg == pytest.approx(le, rel=5e-3)
@@ -163,48 +176,15 @@ def test_a_replayed_layer_matches_its_eager_forward_and_backward_bucket_by_bucke
 def test_near_the_limit_a_row_replays_a_larger_bucket_and_an_eager_call_recomputes(monkeypatch):
     """Real graphs: a row whose own bucket is refused for memory replays the captured larger bucket (no new capture),
     and a row above ``max_tokens`` runs the graphed layers checkpointed; losses and gradients as the eager layers'."""
-    from peft import LoraConfig, get_peft_model
-
-    from nbkit.demo.models import tiny_model
-    from nbkit.ops.packed_boundaries import metadata_from_lengths
     from nbkit.speedups.cuda_graphs import CudaGraphs
-    from nbkit.speedups.fused_lora import FusedLoRA
-    from nbkit.speedups.packed_attention import PackedAttention
 
-    torch.manual_seed(0)
-    model = tiny_model("qwen3", 512, dtype=torch.bfloat16, seed=0, **SHAPE).cuda()
-    model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0)).train()
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            p.data.normal_(0, 0.02)
+    model = _lora_model()
     rows = [[400, 600], [100, 200], [3000, 1000], [400, 600]]  # buckets 1024, 384 (refused), above 2048, 1024
     monkeypatch.setattr(CudaGraphs, "_memory_problem",
                         lambda self, device, bucket, layers=1: "no memory" if bucket < 1024 and layers > 1 else None)
-
-    def run(with_graphs: bool):
-        graphs = CudaGraphs(mode=True, max_tokens=2048)
-        speedups = [PackedAttention(kernel="varlen"), FusedLoRA()] + ([graphs] if with_graphs else [])
-        for s in speedups:
-            assert s.attach(model)
-        out = []
-        try:
-            for i, lengths in enumerate(rows):
-                meta = metadata_from_lengths(lengths)
-                batch = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in meta.items()}
-                ids = torch.randint(0, 512, (1, sum(lengths)), device="cuda",
-                                    generator=torch.Generator("cuda").manual_seed(i))
-                model.zero_grad(set_to_none=True)
-                loss = model(input_ids=ids, labels=ids, use_cache=False, **batch).loss
-                loss.backward()
-                out.append((loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters()
-                                          if p.grad is not None}))
-        finally:
-            for s in reversed(speedups):
-                s.detach()
-        return out, graphs
-
-    eager, _ = run(False)
-    graphed, graphs = run(True)
+    eager = _rows_trained(model, rows, None, seed_of=lambda i: i)
+    graphs = CudaGraphs(mode=True, max_tokens=2048)
+    graphed = _rows_trained(model, rows, graphs, seed_of=lambda i: i)
     layers = 4
     assert graphs.captured == layers and graphs.reused == 1 and graphs.replays == 3 * layers
     assert graphs.recomputed == layers and graphs.eager == {"more than 2048 tokens": layers}
