@@ -23,6 +23,7 @@ import gc
 import inspect
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -232,6 +233,78 @@ def test_nonfinite_loss_skip_leaves_that_step_untouched(tokenizer, tmp_path, acc
         assert same == (s == step), s
     assert optimizer_steps[4] == 3  # the skipped step left the optimizer state alone too
     assert all(torch.isfinite(t).all() for t in snapshots[4].values())
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_deferred_reads_train_as_the_immediate_check(tokenizer, tmp_path, monkeypatch, optim, accumulation):
+    """One process, no scaler: the flags are read after the optimizer step (a fused optimizer is handed the window's
+    flag as found_inf; another reads it before its step). Against the check that reads after every backward (and
+    transformers' own loss filter): the same weights bit for bit, the same logged losses, the same skipped step."""
+    dataset, marker = _poisoned(tokenizer)
+    runs = {}
+    for deferred in (True, False):
+        if not deferred:
+            monkeypatch.setattr(FastSFT, "_nbkit_defers_reads", lambda self: False)
+        trainer = _trainer(tokenizer, tmp_path / str(deferred), dataset, nan_token=marker, on_nonfinite_loss="skip",
+                           max_steps=4, optim=optim, gradient_accumulation_steps=accumulation, logging_steps=1)
+        modes = []
+        trainer.add_callback(_filter_seen(trainer, modes))
+        trainer.train()
+        assert modes and all(m == (not deferred) for m in modes)  # transformers' host filter only without deferral
+        assert trainer.args.logging_nan_inf_filter  # handed back after train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        runs[deferred] = (_trainable(trainer), losses, [(e.step, e.micro_batch) for e in trainer.nbkit_skipped])
+    (weights, losses, skipped), (weights0, losses0, skipped0) = runs[True], runs[False]
+    assert skipped == skipped0 and len(skipped) == 1
+    assert losses == losses0 and all(map(math.isfinite, losses))
+    assert_same_tensors(weights, weights0, where=f"deferred against immediate ({optim}, accumulation {accumulation})")
+
+
+def _filter_seen(trainer, modes):
+    """A callback recording, at each step's end, whether transformers' own (host) loss filter is on."""
+    from transformers import TrainerCallback
+
+    class Seen(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            modes.append(bool(trainer.args.logging_nan_inf_filter))
+
+    return Seen()
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
+def test_deferred_stop_between_saves_keeps_the_weights_of_the_step_before(tokenizer, tmp_path, optim):
+    """No log or save at the bad step: the stop comes one micro-batch later, with that step's update not applied,
+    the step counter back at the last applied step, and the weights those of that step."""
+    from transformers import TrainerCallback
+
+    dataset, marker = _poisoned(tokenizer)
+    trainer = _trainer(tokenizer, tmp_path, dataset, nan_token=marker, max_steps=6, save_strategy="no",
+                       logging_steps=100, optim=optim)
+    [batch] = _batches_with(trainer, marker)
+    step = batch + 1
+    snapshots = {}
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            snapshots[state.global_step] = _trainable(trainer)
+
+    trainer.add_callback(Snapshot())
+    with pytest.raises(NonFiniteLossError) as caught:
+        trainer.train()
+    assert caught.value.event.step == step and trainer.state.global_step == step - 1
+    assert f"the optimizer update of step {step} was not applied" in str(caught.value)
+    assert_same_tensors(_trainable(trainer), snapshots[step - 1], where="weights held after a deferred stop")
+    assert all(p.grad is None for p in trainer.model.parameters())
+
+
+def test_filtered_loss_is_transformers_filter():
+    from nbkit.reliability.deferred_check import filtered_loss
+
+    running = torch.tensor(6.0)
+    assert filtered_loss(torch.tensor(2.5), running, 2).item() == 2.5
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        assert filtered_loss(torch.tensor(bad), running, 2).item() == 6.0 / 3  # transformers: tr_loss / (1 + steps)
 
 
 def test_a_batch_with_every_label_masked_is_named(tokenizer, tmp_path, caplog):

@@ -7,9 +7,11 @@ meant for that base and no other. None of it changes the numbers of a run that g
 - Inputs: the raw datasets and settings are checked before TRL prepares them (``guards``; ``validate_inputs``).
 - Out of memory: an OOM in the step frees what the step held and raises ``TrainingOutOfMemoryError`` naming the step,
   the memory and what to change (``oom``); one outside the step (optimizer, evaluation, save) is explained too.
-- Non-finite loss: checked after each micro-batch's backward, before any optimizer step, in the one host read
-  transformers makes anyway; ``on_nonfinite_loss`` stops or skips (``nonfinite``). The same read finds batches whose
-  labels are all masked (nothing to train on) and warns, naming their rows.
+- Non-finite loss: flagged at each micro-batch, and no optimizer update is applied for a window with a non-finite
+  loss; ``on_nonfinite_loss`` stops or skips (``nonfinite``). On one process without a gradient scaler the flags
+  stay on the device and are read after the step (``deferred_check``: no host read inside the step); otherwise
+  they are read after each micro-batch's backward. The same flags find batches whose labels are all masked (nothing
+  to train on), warned about with their rows.
 - Saves: checkpoints and ``save_model`` are written into a hidden staging folder and renamed into place
   (``checkpoints``; ``atomic_saves``); ``train(resume_from_checkpoint=True)`` resumes from the newest complete
   checkpoint (its files checked, so one damaged by another writer is passed over with a warning; a damaged one named
@@ -22,15 +24,18 @@ import copy
 import inspect
 import logging
 import shutil
+import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..model_parts import unwrap_model
 from ..switches import switch
 from . import checkpoints, nonfinite, oom
+from .deferred_check import DeferredLossCheck, MicroBatch, filtered_loss, found_inf_supported
 from .guards import validate_training_inputs
 from .stop_token import ROWS_CHECKED, StopTokenCheck, check_stop_token
 
@@ -54,8 +59,11 @@ class ReliableTraining:
         self._nbkit_skip_window = False
         self._nbkit_staging: Path | None = None
         self._nbkit_locator: nonfinite.DocumentLocator | None = None
+        self._nbkit_deferred: DeferredLossCheck | None = None  # set for a train() call that defers its reads
+        self._nbkit_nan_filter = False  # transformers' logging_nan_inf_filter, computed on the device meanwhile
         self._nbkit_check_inputs(model, args, data_collator, pargs, kwargs)
         super().__init__(model, args, data_collator, *pargs, **kwargs)
+        self.add_callback(_DeferredReads(self))
         self.nbkit_stop_token: StopTokenCheck | None = None
         if switch(self.args, "validate_inputs") and self.train_dataset is not None:
             self.nbkit_stop_token = self._nbkit_check_stop_token()
@@ -94,6 +102,10 @@ class ReliableTraining:
         first (the caller does that before anything is attached)."""
         self._nbkit_micro, self._nbkit_skip_window = 0, False
         self.nbkit_masked = []
+        nan_filter = self.args.logging_nan_inf_filter
+        if self._nbkit_defers_reads():
+            self._nbkit_deferred = DeferredLossCheck(self._nbkit_report)
+            self._nbkit_nan_filter, self.args.logging_nan_inf_filter = nan_filter, False
         try:
             result = train(resume_from_checkpoint, *args, **kwargs)
         except torch.OutOfMemoryError as error:
@@ -106,7 +118,16 @@ class ReliableTraining:
             if len(self.nbkit_masked) > MASKED_WARNINGS:
                 logger.warning(nonfinite.masked_summary(self.nbkit_masked))
             return result
+        finally:
+            self.args.logging_nan_inf_filter = nan_filter
+            self._nbkit_deferred, self._nbkit_nan_filter = None, False
         raise self._nbkit_oom_error(original, "the optimizer step, an evaluation or a save") from None
+
+    def _nbkit_defers_reads(self) -> bool:
+        """Whether this run's loss flags can stay on the device (``deferred_check``): one process (every rank would
+        have to take the same branch), no gradient scaler (fp16 skips non-finite steps itself), no DeepSpeed."""
+        return switch(self.args, "on_nonfinite_loss") != "off" and self.accelerator.num_processes == 1 \
+            and self.accelerator.scaler is None and not self.is_deepspeed_enabled
 
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
                              resume_from_checkpoint: str | None, trial: Any) -> tuple[int, int]:
@@ -134,9 +155,16 @@ class ReliableTraining:
                 raise
             original = oom.forget_exception(error)  # its frames hold the step's activations
         else:
-            if switch(self.args, "on_nonfinite_loss") != "off":
+            deferred = self._nbkit_deferred
+            if deferred is not None:
+                deferred.record(loss, _all_masked(inputs, loss.device), inputs, self.state.global_step + 1,
+                                max(1, self._nbkit_micro))
+                deferred.resolve()  # windows before this one: their flags reached the host while this was queued
+            elif switch(self.args, "on_nonfinite_loss") != "off":
                 self._nbkit_check_loss(loss, inputs)
             self._nbkit_end_micro_batch()
+            if self._nbkit_nan_filter:
+                return filtered_loss(loss, self._tr_loss, self.state.global_step - self._globalstep_last_logged)
             return loss
         del inputs
         raise self._nbkit_oom_error(original, "the forward/backward pass") from None
@@ -177,19 +205,38 @@ class ReliableTraining:
             bad = self.accelerator.reduce(bad, reduction="sum")
         flags = torch.stack([bad > 0, _all_masked(inputs, loss.device)]).tolist()
         nonfinite_loss, masked = flags
+        step, micro = self.state.global_step + 1, max(1, self._nbkit_micro)
         if masked:
-            self._nbkit_masked_batch(inputs)
+            self._nbkit_masked_batch(inputs, step, micro)
         if nonfinite_loss:
-            self._nbkit_nonfinite(loss, inputs, switch(self.args, "on_nonfinite_loss"), masked)
+            event = self._nbkit_nonfinite(loss, inputs, masked, step, micro)
+            if switch(self.args, "on_nonfinite_loss") == "stop":
+                raise self._nbkit_stop(event, "after this batch's backward, before any optimizer step")
+            # The backward still runs (DDP and FSDP expect one after every forward); then either the GradScaler
+            # (fp16) finds the non-finite gradients and skips the step itself, or the window's gradients are dropped.
+            self._nbkit_skip_window = self.accelerator.scaler is None
 
-    def _nbkit_masked_batch(self, inputs: dict[str, Any]) -> None:
+    def _nbkit_report(self, micro_batch: MicroBatch, nonfinite_loss: bool, masked: bool) -> None:
+        """A micro-batch's flags read after its window's optimizer step (``deferred_check``), whose update a
+        non-finite loss kept from being applied."""
+        step, micro = micro_batch.step, micro_batch.micro
+        if masked:
+            self._nbkit_masked_batch(micro_batch.inputs, step, micro)
+        if not nonfinite_loss:
+            return
+        event = self._nbkit_nonfinite(micro_batch.loss, micro_batch.inputs, masked, step, micro)
+        if switch(self.args, "on_nonfinite_loss") == "stop":
+            self.state.global_step = min(self.state.global_step, step - 1)  # step `step` applied nothing
+            raise self._nbkit_stop(event, f"at this batch; the optimizer update of step {step} was not applied")
+
+    def _nbkit_masked_batch(self, inputs: dict[str, Any], step: int, micro: int) -> None:
         """Record (and for the first few, warn about, with their rows) a micro-batch with every label masked."""
         documents, spans = nonfinite.batch_documents(inputs)
         warn = len(self.nbkit_masked) < MASKED_WARNINGS
         locator = self._nbkit_document_locator() if warn else None
         event = nonfinite.MaskedBatch(
-            step=self.state.global_step + 1,
-            micro_batch=max(1, self._nbkit_micro),
+            step=step,
+            micro_batch=micro,
             accumulation=self.args.gradient_accumulation_steps,
             rows=locator.locate(documents) if locator is not None else None,
             spans=spans,
@@ -198,8 +245,9 @@ class ReliableTraining:
         if warn:
             logger.warning("nbkit: %s. %s", event.describe(), nonfinite.masked_advice())
 
-    def _nbkit_nonfinite(self, loss: torch.Tensor, inputs: dict[str, Any], mode: str, masked: bool = False) -> None:
-        """Raise (``stop``), or record the event and mark the window so its gradients are dropped (``skip``)."""
+    def _nbkit_nonfinite(self, loss: torch.Tensor, inputs: dict[str, Any], masked: bool, step: int,
+                         micro: int) -> nonfinite.NonFiniteLoss:
+        """The account of a non-finite loss (rows, culprits); under ``skip`` it is recorded and warned about."""
         documents, spans = nonfinite.batch_documents(inputs)
         locator = self._nbkit_document_locator()
         rows = locator.locate(documents) if locator is not None else None
@@ -209,8 +257,8 @@ class ReliableTraining:
                  "finite here, non-finite on another process" if local else "",
                  "the batch has no token to train on: every label is masked" if masked else "")
         event = nonfinite.NonFiniteLoss(
-            step=self.state.global_step + 1,
-            micro_batch=max(1, self._nbkit_micro),
+            step=step,
+            micro_batch=micro,
             accumulation=self.args.gradient_accumulation_steps,
             value=float(loss.detach().float().cpu()),
             rows=rows,
@@ -218,22 +266,24 @@ class ReliableTraining:
             culprits=self._nbkit_nonfinite_documents(inputs, spans) if single else None,  # no lone forwards
             note="; ".join(n for n in notes if n),
         )
-        if mode == "stop":
-            self.model.zero_grad(set_to_none=True)  # the window's partial gradients must not reach a later step
-            last = checkpoints.last_complete_checkpoint(self.args.output_dir) if self.args.output_dir else None
-            kept = f"; the last checkpoint, {last}, is intact" if last else ""
-            held = f"the weights of step {event.step - 1}" if event.step > 1 else "its initial weights"
-            raise nonfinite.NonFiniteLossError(
-                f"nbkit: {event.describe()}. Training stopped after this batch's backward, before any optimizer "
-                f"step: the model holds {held}{kept}. Look at those rows (an extreme or corrupt example), lower "
-                "learning_rate or set max_grad_norm, or set on_nonfinite_loss='skip' to step over such batches.",
-                event,
-            )
-        logger.warning("nbkit: %s; skipping optimizer step %d (on_nonfinite_loss='skip')", event.describe(), event.step)
-        self.nbkit_skipped.append(event)
-        # The backward still runs (DDP and FSDP expect one after every forward); then either the GradScaler (fp16)
-        # finds the non-finite gradients and skips the step itself, or the window's gradients are dropped.
-        self._nbkit_skip_window = self.accelerator.scaler is None
+        if switch(self.args, "on_nonfinite_loss") == "skip":
+            logger.warning("nbkit: %s; skipping optimizer step %d (on_nonfinite_loss='skip')", event.describe(),
+                           event.step)
+            self.nbkit_skipped.append(event)
+        return event
+
+    def _nbkit_stop(self, event: nonfinite.NonFiniteLoss, when: str) -> nonfinite.NonFiniteLossError:
+        """The error ``stop`` raises; the gradients held so far are dropped (none may reach a later step)."""
+        self.model.zero_grad(set_to_none=True)
+        last = checkpoints.last_complete_checkpoint(self.args.output_dir) if self.args.output_dir else None
+        kept = f"; the last checkpoint, {last}, is intact" if last else ""
+        held = f"the weights of step {event.step - 1}" if event.step > 1 else "its initial weights"
+        return nonfinite.NonFiniteLossError(
+            f"nbkit: {event.describe()}. Training stopped {when}: the model holds {held}{kept}. Look at those rows "
+            "(an extreme or corrupt example), lower learning_rate or set max_grad_norm, or set "
+            "on_nonfinite_loss='skip' to step over such batches.",
+            event,
+        )
 
     @torch.no_grad()
     def _nbkit_nonfinite_documents(self, inputs: dict[str, Any], spans: list[tuple[int, int, int]]) -> list[int] | None:
@@ -372,3 +422,53 @@ def _all_masked(inputs: dict[str, Any], device: torch.device) -> torch.Tensor:
     if labels is None:
         return torch.zeros((), dtype=torch.bool, device=device)
     return (labels == -100).all().to(device)
+
+
+class _DeferredReads(TrainerCallback):
+    """The optimizer-step side of ``deferred_check`` for one trainer (held weakly: the trainer holds this).
+
+    Before the optimizer step: the window's flag becomes the fused optimizer's ``found_inf`` (else the flags are read
+    now and a bad window's gradients dropped). After it: the flags' host copy starts. At a step that logs, saves or
+    evaluates, and at the end of training: every unread window is reported first."""
+
+    def __init__(self, trainer: ReliableTraining) -> None:
+        self._trainer = weakref.ref(trainer)
+
+    def _check(self) -> tuple[Any, DeferredLossCheck | None]:
+        trainer = self._trainer()
+        return trainer, (trainer._nbkit_deferred if trainer is not None else None)
+
+    @staticmethod
+    def _optimizer(trainer: Any) -> Any:
+        optimizer = trainer.optimizer
+        return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps torch's
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):  # TrainerCallback's signature
+        trainer, check = self._check()
+        if check is None:
+            return
+        optimizer = self._optimizer(trainer)
+        if found_inf_supported(optimizer):
+            flag = check.window_flag()
+            if flag is not None:
+                optimizer.found_inf = flag
+        elif check.read_window_now():  # a non-fused optimizer: one read, then the bad window applies nothing
+            trainer.model.zero_grad(set_to_none=True)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        trainer, check = self._check()
+        if check is None:
+            return
+        vars(self._optimizer(trainer)).pop("found_inf", None)
+        check.window_done()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        _, check = self._check()
+        if check is not None and check.unread and (control.should_log or control.should_save
+                                                   or control.should_evaluate or control.should_training_stop):
+            check.resolve()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        _, check = self._check()
+        if check is not None:
+            check.resolve()
