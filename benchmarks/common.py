@@ -124,23 +124,34 @@ class StepTimer(TrainerCallback):
 
 class TimedStepMixin:
     """Mix into a Trainer subclass: records each micro-step's forward/backward CUDA events and tokens for
-    ``step_timer`` (no sync here: the timer reads them at the step's end)."""
+    ``step_timer`` (no sync here: the timer reads them at the step's end). The forward's end is recorded after
+    whichever ``compute_loss`` the step calls: the class's, or one a speedup set on the instance."""
 
     step_timer: StepTimer
 
     def training_step(self, model, inputs, *args, **kwargs):
-        start, self._nbkit_fwd_end, end = event(), event(), event()
+        start, fwd_end, end = event(), event(), event()
+        own = vars(self).get("compute_loss")
+        loss_fn = self.compute_loss
+
+        def timed_loss(*a, **k):
+            out = loss_fn(*a, **k)
+            fwd_end.record()
+            return out
+
         t0 = time.perf_counter()
         start.record()
-        out = super().training_step(model, inputs, *args, **kwargs)
+        self.compute_loss = timed_loss
+        try:
+            out = super().training_step(model, inputs, *args, **kwargs)
+        finally:
+            if own is None:
+                del self.compute_loss
+            else:
+                self.compute_loss = own
         end.record()
-        self.step_timer.micro_step(start, self._nbkit_fwd_end, end, int(inputs["input_ids"].numel()),
+        self.step_timer.micro_step(start, fwd_end, end, int(inputs["input_ids"].numel()),
                                    (time.perf_counter() - t0) * 1000.0)
-        return out
-
-    def compute_loss(self, *args, **kwargs):
-        out = super().compute_loss(*args, **kwargs)
-        self._nbkit_fwd_end.record()
         return out
 
 

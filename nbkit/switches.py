@@ -166,13 +166,15 @@ SWITCHES: tuple[Switch, ...] = (
         "one MLP weight).",
     ),
     Switch(
-        "sync_free_metrics", False,
-        summary="TRL's per-step metrics stay on the GPU until logging: no host wait before the backward. Off until measured.",
+        "sync_free_metrics", True,
+        summary="TRL's loss, LM head and per-step metrics without a host read between forward and backward.",
         help="Keep TRL's per-step metrics (entropy, token accuracy, token count, MoE aux loss) on the GPU and read "
         "them when logging, instead of reading them on the host right after every forward, which makes the host wait "
-        "for the GPU before it may queue the backward. The same loss and the same logged values (tested); TRL's own "
-        "compute_loss where it does something else (compute_loss_func, label smoothing, sequence parallelism, "
-        "several processes). Off until its effect on step time is measured on a GPU.",
+        "for the GPU before it may queue the backward; with packed batches the collator also lists the labelled "
+        "positions on the host, so TRL's fused LM head scores them without selecting them by a boolean mask (another "
+        "read). The same loss, gradients and logged values (tested bit for bit); TRL's own compute_loss where it "
+        "does something else (compute_loss_func, label smoothing, sequence parallelism, several processes), TRL's "
+        "own head for MoE models that add the router loss.",
     ),
     Switch(
         "live_dashboard", "auto", values=AUTO_BOOL,
@@ -194,13 +196,16 @@ SWITCHES: tuple[Switch, ...] = (
     ),
     Switch(
         "on_nonfinite_loss", "stop", values=("stop", "skip", "off"),
-        summary="A NaN/inf loss stops the run before its optimizer step, naming the rows (`\"skip\"`: skip the step; `\"off\"`).",
-        help="What a NaN/inf training loss does, detected at the micro-batch it appears in, with the batch's dataset "
-        "rows in the message. 'stop': raise NonFiniteLossError after its backward and before the optimizer step (the "
-        "check reads the loss where transformers does, so it adds no host sync), so the weights and checkpoints stay "
-        "those of the last good step. 'skip': warn and skip that optimizer step (no weight or optimizer-state "
-        "update; under fp16 the GradScaler skips it). 'off': TRL's behaviour (no check). The same read warns about a "
-        "batch whose labels are all masked (not with 'off').",
+        summary="A NaN/inf loss stops the run with no optimizer update from it, naming the rows (`\"skip\"`: skip the step; `\"off\"`).",
+        help="What a NaN/inf training loss does, flagged at the micro-batch it appears in, with the batch's dataset "
+        "rows in the message. 'stop': raise NonFiniteLossError; the optimizer update of that step is not applied, so "
+        "the weights and checkpoints stay those of the last good step. 'skip': warn and skip that optimizer step (no "
+        "weight or optimizer-state update). On one process without fp16's gradient scaler the flags stay on the GPU "
+        "(a fused torch optimizer skips a bad step by itself, as under GradScaler; another optimizer reads the flags "
+        "once before its step) and are read after the step, before any log, save or evaluation, so the check adds "
+        "no host wait inside the step; the error then comes up to one micro-batch later. Otherwise (several "
+        "processes, fp16) they are read after each micro-batch's backward. 'off': TRL's behaviour (no check). The "
+        "same flags warn about a batch whose labels are all masked (not with 'off').",
     ),
     Switch(
         "atomic_saves", True,

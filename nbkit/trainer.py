@@ -29,6 +29,7 @@ from . import speedups
 from .chat import release_decoders
 from .config import FastSFTConfig, read_numbers
 from .reliability.trainer_mixin import ReliableTraining
+from .speedups.labelled_head import LABELLED_KEY
 from .speedups.ledger import Speedup
 from .speedups.packed_attention import PackedCollator
 from .switches import switch as _switch
@@ -124,8 +125,13 @@ class FastSFT(ReliableTraining, SFTTrainer):
                 pad_to_multiple_of=collator.pad_to_multiple_of,
                 return_tensors=collator.return_tensors,
             )
-        self.data_collator = PackedCollator(collator)
+        self.data_collator = PackedCollator(collator, labelled=bool(_switch(self.args, "sync_free_metrics")))
         self._nbkit_packing_enabled = True
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any):
+        """TRL's loss; the collator's list of labelled positions is for ``sync_free_metrics`` only, never the model's."""
+        inputs.pop(LABELLED_KEY, None)
+        return super().compute_loss(model, inputs, *args, **kwargs)
 
     def _maybe_add_dashboard(self) -> None:
         mode = _switch(self.args, "live_dashboard")

@@ -7,22 +7,28 @@ token counts from the batch shape) and without (padded: from the attention mask)
 second step under gradient accumulation (TRL averages a window's micro-steps), a MoE family (its auxiliary loss)
 and an evaluation. Equal to 1e-6 relative (the same expressions, evaluated in the same order). Host reads are counted
 by wrapping ``Tensor.item`` / ``Tensor.__bool__`` / ``Tensor.tolist`` during ``compute_loss``.
+
+The LM head over the positions the collator lists (``labelled_head``) runs where TRL selects positions by a boolean
+mask, a Triton device; here TRL's device test is forced true on the CPU (TRL's kernel still folds its tiles in
+torch), so both select, and the head is compared with TRL's selection: directly (outputs and input gradients of a
+two-row batch, bitwise) and over whole runs (log history and trained weights, bitwise).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from parity import assert_same_tensors, fast_sft, train
+from parity import assert_same_tensors, fast_sft, train, trainable
 
 from nbkit.demo.data import make_dataset
 
 
-def _trainer(tmp_path, sync_free: bool, family="qwen3", packing=True, logging_steps=1, accumulation=1):
+def _trainer(tmp_path, sync_free: bool, family="qwen3", packing=True, logging_steps=1, accumulation=1, **settings):
     return fast_sft(
         tmp_path / f"{sync_free}-{family}-{packing}", family=family, max_steps=4, gradient_accumulation_steps=accumulation,
         logging_steps=logging_steps, shuffle_dataset=False, packing=packing, sync_free_metrics=sync_free,
-        per_device_eval_batch_size=2, eval_strategy="no", eval_dataset=make_dataset("messages", n=8, split="eval"))
+        per_device_eval_batch_size=2, eval_strategy="no", eval_dataset=make_dataset("messages", n=8, split="eval"),
+        **settings)
 
 
 def _history(trainer) -> list[dict]:
@@ -92,3 +98,69 @@ def test_cases_it_does_not_mirror_take_trls_path(tmp_path):
     trainer.compute_loss_func = None
     trainer.args.sync_free_metrics = False
     assert not sync_free_loss.applies(trainer, return_outputs=False)
+
+
+@pytest.fixture
+def trl_selects(monkeypatch):
+    """TRL's fused head selects the labelled positions (as on a Triton device) on the CPU."""
+    from trl.trainer import utils as trl_utils
+
+    monkeypatch.setattr(trl_utils, "_use_triton", lambda device: True)
+
+
+def test_labelled_positions_are_the_shifted_mask():
+    from nbkit.speedups.labelled_head import labelled_positions
+
+    labels = torch.tensor([[-100, 5, 6, -100, 7], [3, -100, -100, 4, 9]])
+    expected = [r * 5 + c for r in range(2) for c in range(4) if labels[r, c + 1] != -100]
+    assert labelled_positions(labels).tolist() == expected == [0, 1, 3, 7, 8]
+
+
+def test_the_head_equals_trls_selection(one_thread, trl_selects):
+    from parity import tiny_lm
+    from trl.trainer.utils import add_fused_lm_head
+
+    from nbkit.speedups.labelled_head import LabelledHead, labelled_positions
+
+    model = tiny_lm("qwen3")
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+    settings = LabelledHead.applies(model)
+    assert settings is not None and settings["outputs"] == ("log_probs", "entropy", "is_top1")
+    head = LabelledHead(model, vars(model)["forward"], settings)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=gen)
+    labels = ids.masked_fill(torch.rand(ids.shape, generator=gen) < 0.4, -100)
+    results = []
+    for labelled in (False, True):
+        embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+        call = head if labelled else model.forward
+        extra = {"nbkit_labelled": labelled_positions(labels)} if labelled else {}
+        out = call(inputs_embeds=embeds, labels=labels, fused_lm_head=True, **extra)
+        (out.loss + out.entropy.sum()).backward()
+        results.append({"log_probs": out.log_probs, "entropy": out.entropy, "is_top1": out.is_top1,
+                        "label_mask": out.label_mask, "loss": out.loss, "input grad": embeds.grad})
+    assert head.calls == 1
+    assert_same_tensors(results[1], results[0], where="labelled head against TRL's selection")
+
+
+@pytest.mark.parametrize("accumulation, assistant_only", [(1, False), (2, True)])
+def test_runs_through_the_head_equal_trls_selection(tmp_path, one_thread, trl_selects, monkeypatch, accumulation,
+                                                    assistant_only):
+    from nbkit.speedups.labelled_head import LabelledHead
+
+    calls = []
+    original = LabelledHead._labelled
+    monkeypatch.setattr(LabelledHead, "_labelled", lambda self, *a: calls.append(1) or original(self, *a))
+    runs = {}
+    for sync_free in (False, True):
+        trainer = _trainer(tmp_path, sync_free, logging_steps=accumulation, accumulation=accumulation,
+                           assistant_only_loss=assistant_only)
+        runs[sync_free] = (_history(train(trainer).trainer), trainer)
+    assert len(calls) == 4 * accumulation  # every micro-step of the sync-free run took the head, none of TRL's
+    (plain, _), (fast, trainer) = runs[False], runs[True]
+    assert len(plain) == len(fast) >= 2
+    for a, b in zip(plain, fast):
+        assert a.keys() == b.keys() and all(b[k] == a[k] for k in a), (a, b)  # the same values exactly
+    assert_same_tensors(trainable(trainer.model), trainable(runs[False][1].model), where="trained weight")
+    assert "forward" not in vars(trainer.model.get_base_model()) or \
+        not isinstance(vars(trainer.model.get_base_model())["forward"], LabelledHead)  # detached after train()

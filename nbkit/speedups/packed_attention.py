@@ -45,6 +45,7 @@ from ..ops.varlen_attention import (
     varlen_available,
 )
 from ..settings import check_value
+from .labelled_head import LABELLED_KEY, labelled_positions
 from .ledger import PatchLedger
 
 logger = logging.getLogger(__name__)
@@ -58,10 +59,13 @@ class PackedCollator:
     """Wraps a padding-free TRL ``DataCollatorForLanguageModeling`` and adds the host copy of the boundaries.
 
     TRL's collator already computes ``cu_seq_lens_*`` / ``max_length_*`` on the host; this keeps them and adds
-    ``nbkit_cu_seqlens_host``. ``builds`` counts metadata constructions (one per batch).
+    ``nbkit_cu_seqlens_host``. ``labelled``: also ``nbkit_labelled``, the positions the loss scores, listed on the
+    host (``labelled_head``; the trainer takes the key out before any model sees the batch). ``builds`` counts
+    metadata constructions (one per batch).
     """
 
     base: Callable[[list[dict[str, Any]]], dict[str, Any]]
+    labelled: bool = False
     builds: int = 0
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -72,6 +76,8 @@ class PackedCollator:
             batch.update(metadata_from_position_ids(batch["position_ids"]))
         cu = batch["cu_seq_lens_q"]
         batch["nbkit_cu_seqlens_host"] = tuple(int(x) for x in cu.tolist())
+        if self.labelled and isinstance(batch.get("labels"), torch.Tensor):
+            batch[LABELLED_KEY] = labelled_positions(batch["labels"])
         self.builds += 1
         return batch
 

@@ -12,6 +12,10 @@ metrics kept as device tensors in TRL's ``_metrics`` lists; ``log`` turns them i
 TRL averages them. The token count of a padding-free batch comes from its shape (a host number already), of a
 padded batch from its attention mask (a device sum, read at the next log).
 
+The LM head itself: TRL's fused head selects the labelled positions with a boolean mask (a read); with packed
+batches the collator lists them on the host instead and ``labelled_head.LabelledHead`` stands in for TRL's patched
+forward while attached, so the whole forward and backward queue without a read.
+
 Contract: the loss, its gradients and every logged value equal TRL's (tests/test_sync_free_loss.py compares the log
 histories of both; tests/gpu/test_sync_free_loss_gpu.py runs the step under ``torch.cuda.set_sync_debug_mode``).
 Any other case, or a TRL release other than the one this mirrors (``MIRRORS``), takes TRL's own ``compute_loss``.
@@ -29,7 +33,9 @@ from typing import Any
 import torch
 import trl
 
+from ..model_parts import unwrap_model
 from ..switches import switch
+from .labelled_head import LABELLED_KEY, LabelledHead
 from .ledger import PatchLedger
 
 MIRRORS = "1.16."  # the TRL release whose SFTTrainer.compute_loss default branch this reproduces
@@ -60,6 +66,7 @@ class SyncFreeLoss:
     def __init__(self) -> None:
         self._ledger = PatchLedger(self.name)
         self._trainer: Any = None
+        self.head: LabelledHead | None = None  # TRL's fused head over host-listed positions, when it applies
 
     def attach(self, trainer: Any) -> bool:
         self.detach()
@@ -69,9 +76,11 @@ class SyncFreeLoss:
 
         def compute_loss(model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                          num_items_in_batch: Any = None):
+            labelled = inputs.pop(LABELLED_KEY, None)
             if not applies(trainer, return_outputs):
                 return own_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-            return sync_free_loss(trainer, model, inputs, num_items_in_batch)
+            return sync_free_loss(trainer, model, inputs, num_items_in_batch,
+                                  labelled if self.head is not None else None)
 
         def log(logs: dict[str, float], start_time: float | None = None) -> None:
             read_metrics(trainer, "train" if trainer.model.training else "eval")
@@ -80,6 +89,11 @@ class SyncFreeLoss:
         self._trainer = trainer
         self._ledger.set(trainer, "compute_loss", compute_loss)
         self._ledger.set(trainer, "log", log)
+        causal_lm = unwrap_model(trainer.model)
+        settings = LabelledHead.applies(causal_lm)
+        if settings is not None:
+            self.head = LabelledHead(causal_lm, vars(causal_lm)["forward"], settings)
+            self._ledger.set(causal_lm, "forward", self.head)  # an instance attribute: TRL's patch is one too
         return True
 
     def detach(self) -> None:
@@ -88,15 +102,19 @@ class SyncFreeLoss:
             for mode in ("train", "eval"):
                 read_metrics(trainer, mode)
         self._ledger.undo()
+        self.head = None
 
 
-def sync_free_loss(trainer: Any, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> Any:
-    """TRL's default loss branch, its metrics kept as device tensors (see the module docstring)."""
+def sync_free_loss(trainer: Any, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any,
+                   labelled: torch.Tensor | None = None) -> Any:
+    """TRL's default loss branch, its metrics kept as device tensors (see the module docstring); ``labelled``: the
+    host-listed positions for ``LabelledHead`` (attached), else TRL's head selects them."""
     mode = "train" if trainer.model.training else "eval"
     inputs["use_cache"] = False
     if trainer.aux_loss_enabled:
         inputs["output_router_logits"] = True
-    outputs = model(**inputs, fused_lm_head=True)
+    extra = {LABELLED_KEY: labelled} if labelled is not None else {}
+    outputs = model(**inputs, fused_lm_head=True, **extra)
     per_token_loss = -outputs.log_probs  # zero on ignored positions
     if trainer.args.loss_type == "dft":
         per_token_loss = per_token_loss * outputs.log_probs.exp().detach()
