@@ -208,6 +208,12 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
     trainer = cls(model=base, args=config, train_dataset=dataset, peft_config=peft_config, callbacks=callbacks,
                   processing_class=load_demo_tokenizer())  # only its pad/eos ids are used: the data are token ids
     trainer.step_timer = timer
+    if fp16 and not name.startswith("fastsft"):
+        # TRL's QLoRA recipe keeps the adapters in bf16, whose gradients fp16's GradScaler cannot unscale (an
+        # error at the first step); a TRL user on a T4 puts them in fp32 by hand, as FastSFT does itself
+        for param in trainer.model.parameters():
+            if param.requires_grad and param.dtype == torch.bfloat16:
+                param.data = param.data.float()
     ranges = module_ranges(trainer.model) if profile else contextlib.nullcontext()
     with ranges:
         trainer.train()
