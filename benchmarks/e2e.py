@@ -19,6 +19,8 @@ Paths (``--paths``, comma separated):
 
 ``--profile NAME`` runs ``torch.profiler`` over two steps of that path and prints kernel time by category, by
 operator and by module (forward ranges per module type; backward by autograd node), and writes the trace to $OUT.
+``--gaps NAME`` runs that path once more with the GPU alone profiled over its timed steps and prints where the GPU
+idles between kernels (total, the largest gaps and the kernels around them).
 ``--host-profile NAME`` runs that path once more after the timed runs, its timed steps sampled by pyinstrument (an
 optional dependency), and prints where the host's time per step goes: by package (nbkit's modules one by one), the
 host's waits for the GPU (the step timer's synchronize among them: the share of the step the GPU was the bottleneck),
@@ -39,6 +41,7 @@ import argparse
 import contextlib
 import gc
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -60,7 +63,7 @@ from .common import (
     timed_trainer,
     write_results,
 )
-from .profiling import HostProfiled, Profiled, host_tables, module_ranges, profile_tables
+from .profiling import HostProfiled, Profiled, gap_tables, host_tables, module_ranges, profile_tables
 
 SHAPES = {
     "1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
@@ -163,7 +166,7 @@ def _restore_base(trainer: Any) -> torch.nn.Module:
 
 # ------------------------------------------------------------------------------------------------------- the paths
 def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Namespace,
-             profile: bool, host: bool = False) -> tuple[dict, torch.nn.Module, str]:
+             profile: bool, host: bool = False, gaps: bool = False) -> tuple[dict, torch.nn.Module, str]:
     """One path's timed run on ``base`` (its own LoRA, unloaded afterwards): its row, the base back, its profile
     (``profile``: the GPU's kernels; ``host``: the host's time, sampled)."""
     from peft import LoraConfig
@@ -198,6 +201,8 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
     peft_config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=LORA_TARGETS, lora_dropout=0.0,
                              task_type="CAUSAL_LM")
     prof = Profiled(start=args.warmup) if profile else None
+    if gaps:
+        prof = Profiled(start=args.warmup, count=args.steps, host=False)
     sampler = HostProfiled(start=args.warmup, count=args.steps) if host else None
     callbacks = [timer] + ([prof.callback] if prof else []) + ([sampler.callback] if sampler else [])
     if torch.cuda.is_available():
@@ -221,10 +226,15 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
     row = summarize(spec, timer.times, args.warmup, peak, {"speedups": getattr(trainer, "nbkit_attached", [])})
     if timer.times.first_step_s is not None:  # from trainer construction: what a user waits for after loading
         row["first_step_s"] = timer._t0 - t0 + timer.times.first_step_s
-    text = profile_tables(prof.prof, prof.count) if prof and prof.prof is not None else ""
+    text = profile_tables(prof.prof, prof.count) if profile and prof.prof is not None else ""
+    if gaps and prof.prof is not None:
+        trace = os.path.join(tempfile.mkdtemp(prefix="nbkit-e2e-gaps-"), "trace.json")
+        prof.prof.export_chrome_trace(trace)
+        text = gap_tables(trace, prof.count)
+        shutil.rmtree(os.path.dirname(trace), ignore_errors=True)
     if sampler is not None and sampler.session is not None:
         text, row["host_ms_per_step"] = host_tables(sampler.session, sampler.count, row.get("step_ms"))
-    if prof and prof.prof is not None and os.environ.get("OUT"):
+    if profile and prof.prof is not None and os.environ.get("OUT"):
         with contextlib.suppress(Exception):
             prof.prof.export_chrome_trace(os.path.join(os.environ["OUT"], f"trace_{name}.json"))
     base = _restore_base(trainer)
@@ -249,6 +259,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--paths", default="sft,fastsft")
     parser.add_argument("--profile", default=None, help="profile this path (one of --paths, or an extra one)")
     parser.add_argument("--host-profile", default=None, help="run this path once more with its host side sampled")
+    parser.add_argument("--gaps", default=None, help="run this path once more with the GPU alone profiled: its idle time")
     parser.add_argument("--recipe", default="packed", choices=["packed", "notebook"],
                         help="packed: one packed row of --tokens per step, batch 1, LoRA r16; notebook: the common "
                              "notebook recipe, batch 2 x 4 accumulation steps, padding-free without packing, "
@@ -294,17 +305,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
             spread = mean_len // 4
         dataset = packed_token_dataset(n_docs, SHAPES[shape]["vocab_size"], mean_len=mean_len, spread=spread)
         run_rows = []
-        runs = [(spec, False) for spec in paths] + ([(args.host_profile, True)] if args.host_profile else [])
-        for spec, host in runs:
+        runs = [(spec, "") for spec in paths] + ([(args.host_profile, "host")] if args.host_profile else []) \
+            + ([(args.gaps, "gaps")] if args.gaps else [])
+        for spec, extra in runs:
             try:
-                row, base, text = run_path(spec, base, dataset, args, profile=spec == args.profile and not host,
-                                           host=host)
+                row, base, text = run_path(spec, base, dataset, args, profile=spec == args.profile and not extra,
+                                           host=extra == "host", gaps=extra == "gaps")
                 if text:
-                    kind = "host profile" if host else "profile"
+                    kind = {"host": "host profile", "gaps": "GPU idle"}.get(extra, "profile")
                     print(f"\n### {kind} of {spec} ({shape}, {tokens} tokens)\n\n{text}\n", flush=True)
-                    row["host_profile" if host else "profile"] = text
-                if host:
-                    row["path"] = f"{spec} (host-profiled)"
+                    row[{"host": "host_profile", "gaps": "gpu_gaps"}.get(extra, "profile")] = text
+                if extra:
+                    row["path"] = f"{spec} ({'host-profiled' if extra == 'host' else 'GPU-profiled'})"
             except Exception as exc:
                 row = failed_row(spec, exc)
             run_rows.append(dict(row, shape=shape, tokens=tokens, weights=weights, load_s=load_s, recipe=args.recipe,

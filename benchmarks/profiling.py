@@ -1,5 +1,7 @@
 """Step profiles for the trainer benchmarks: a callback that profiles chosen optimizer steps, per-module forward
-ranges, and the summary tables (GPU kernel time by category, top kernels, top operators, module ranges)."""
+ranges, and the summary tables (GPU kernel time by category, top kernels, top operators, module ranges); and the
+GPU's idle time between kernels (``gap_tables``), from a profile of the GPU alone (no host-side recording, which
+slows the host several times over and so would make every step look host-bound)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 class Profiled:
     """Profiles steps ``[start, start + count)`` of a run: a TrainerCallback that owns a torch.profiler session."""
 
-    def __init__(self, start: int, count: int = 2) -> None:
+    def __init__(self, start: int, count: int = 2, host: bool = True) -> None:
         from transformers import TrainerCallback
 
         self.start, self.count, self.prof = start, count, None
@@ -23,7 +25,8 @@ class Profiled:
         class _CB(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
                 if state.global_step == outer.start and outer.prof is None:
-                    acts = [torch.profiler.ProfilerActivity.CPU]
+                    on_gpu = torch.cuda.is_available()
+                    acts = [torch.profiler.ProfilerActivity.CPU] if host or not on_gpu else []
                     if torch.cuda.is_available():
                         acts.append(torch.profiler.ProfilerActivity.CUDA)
                     outer.prof = torch.profiler.profile(activities=acts, record_shapes=False)
@@ -217,3 +220,39 @@ def host_tables(session: Any, steps: int, step_ms: float | None = None) -> tuple
     lines += ["", "| top functions (self time, C calls included) | ms/step |", "|---|---|"]
     lines += [f"| `{f[:110]}` | {t:,.2f} |" for f, t in sorted(funcs.items(), key=lambda x: -x[1])[:30]]
     return "\n".join(lines), dict(owners)
+
+
+def gap_tables(trace_path: str, steps: int, top: int = 15) -> str:
+    """Where the GPU idles, from a chrome trace of GPU activity alone over ``steps`` steps: kernel (and copy) time
+    merged across streams, the idle time between, and the largest gaps with the kernels on either side."""
+    import json
+
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not spans:
+        return "no GPU activity in the trace"
+    busy, gaps, end, last = 0.0, [], spans[0][0], spans[0][2]
+    for start, stop, name in spans:
+        if start > end:
+            gaps.append((start - end, last, name))
+        if stop > end:
+            busy += stop - max(start, end)
+            end, last = stop, name
+    window = end - spans[0][0]
+    idle = sum(g for g, _, _ in gaps)
+    small = sum(g for g, _, _ in gaps if g < 20)
+    lines = [f"GPU window {window / 1e3 / steps:.1f} ms/step: busy {busy / 1e3 / steps:.1f}, idle "
+             f"{idle / 1e3 / steps:.1f} ({len(gaps) / steps:.0f} gaps a step; "
+             f"{small / 1e3 / steps:.1f} ms in gaps under 20 us)", "",
+             "| gap us | kernel before | kernel after |", "|---|---|---|"]
+    for gap, before, after in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"| {gap:,.0f} | `{before[:70]}` | `{after[:70]}` |")
+    by_after: dict[str, float] = defaultdict(float)
+    for gap, _, after in gaps:
+        by_after[re.sub(r"<.*", "", after)[:60]] += gap
+    lines += ["", "| kernel after the gap | idle ms/step before it |", "|---|---|"]
+    for name, total in sorted(by_after.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"| `{name}` | {total / 1e3 / steps:.2f} |")
+    return "\n".join(lines)
