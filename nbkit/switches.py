@@ -196,7 +196,7 @@ SWITCHES: tuple[Switch, ...] = (
     ),
     Switch(
         "on_nonfinite_loss", "stop", values=("stop", "skip", "off"),
-        summary="A NaN/inf loss stops the run with no optimizer update from it, naming the rows (`\"skip\"`: skip the step; `\"off\"`).",
+        summary="A NaN/inf loss stops the run, its step not applied, naming the rows (`\"skip\"`: skip the step; `\"off\"`).",
         help="What a NaN/inf training loss does, flagged at the micro-batch it appears in, with the batch's dataset "
         "rows in the message. 'stop': raise NonFiniteLossError; the optimizer update of that step is not applied, so "
         "the weights and checkpoints stay those of the last good step. 'skip': warn and skip that optimizer step (no "

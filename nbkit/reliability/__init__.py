@@ -5,7 +5,8 @@
 - ``jsonl``: ``load_jsonl`` (exported as ``nbkit.load_jsonl``), a JSON Lines file checked line by line before
   ``datasets`` reads it.
 - ``oom``: out-of-memory errors that name the step, the memory and what to change.
-- ``nonfinite``: non-finite losses and batches with nothing to train on, named by their dataset rows.
+- ``nonfinite``: non-finite losses and batches with nothing to train on, named by their dataset rows;
+  ``deferred_check``: their flags kept on the device and read after the optimizer step (no host read in the step).
 - ``checkpoints``: atomic saves, recovery after a kill, the newest complete checkpoint.
 - ``trainer_mixin``: ``ReliableTraining``, which wires all of it into ``FastSFT``.
 """
