@@ -257,10 +257,19 @@ def test_a_row_whose_bucket_does_not_fit_replays_a_larger_captured_one(monkeypat
         _close([grads], [ref_grads])
 
 
-def test_an_eager_call_of_a_graphed_layer_recomputes_instead_of_keeping_a_second_copy():
+@pytest.mark.parametrize("room", [False, True])
+def test_an_eager_call_of_a_graphed_layer_recomputes_only_without_room_for_a_second_copy(monkeypatch, room):
     """A graphed layer's pool keeps its activations between replays; when one of its calls runs eagerly (a row above
-    every bucket, too many documents), keeping that call's activations too would hold them twice: it is checkpointed
-    (its input kept, its forward recomputed in backward), with the same numbers."""
+    every bucket, too many documents), keeping that call's activations too holds them twice. Without room for that
+    (``_memory_problem`` for every graphed layer at the call's tokens) the call is checkpointed (its input kept, its
+    forward recomputed in backward); with room it keeps them, as an un-checkpointed layer does. The same numbers."""
+    asked = []
+
+    def problem(self, device, bucket, layers=1):
+        asked.append((bucket, layers))
+        return None if room or bucket <= 256 else "no memory"
+
+    monkeypatch.setattr(CudaGraphs, "_memory_problem", problem)
     batches = [_batch([200, 56], seed=1), _batch([300, 100], seed=2)]  # 256 tokens: graphs; 400: above max_tokens
     expected = _plain(batches)
     graphs = CudaGraphs(mode=True, backend=TapeBackend(), max_tokens=256)
@@ -271,10 +280,14 @@ def test_an_eager_call_of_a_graphed_layer_recomputes_instead_of_keeping_a_second
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
         got.append(_step(model, batches[1]))
     layers = 4
-    # what the eager forward kept: each layer's input and the head's tensors, not every layer's activations
     hidden = model.base_model.model.config.hidden_size
-    assert sum(saved) < 400 * hidden * (layers + 8)
-    assert graphs.captured == layers and graphs.recomputed == layers
+    assert (400, layers) in asked  # asked once for the forward, for every graphed layer at its 400 tokens
+    assert asked.count((400, layers)) == 1
+    if room:  # every layer's activations kept: far more than one input a layer
+        assert sum(saved) > 400 * hidden * 4 * layers and graphs.recomputed == 0
+    else:  # what the eager forward kept: each layer's input and the head's tensors, not every layer's activations
+        assert sum(saved) < 400 * hidden * (layers + 8) and graphs.recomputed == layers
+    assert graphs.captured == layers
     assert graphs.eager == {"more than 256 tokens": layers}
     for (loss, grads), (ref_loss, ref_grads) in zip(got, expected):
         assert loss == pytest.approx(ref_loss, rel=1e-5, abs=0)

@@ -33,8 +33,9 @@ parameter the graph does not reach (held by reference outside its module).
 Near the memory limit: a pool holds its graphs' activations for good, so a second copy of them is what would run
 the GPU out of memory. A row whose bucket has no graphs yet, when that bucket's capture does not fit, replays the
 smallest captured bucket that holds it (padded, as every shorter row is; ``reused`` counts those forwards). An eager
-call of a layer that has graphs is checkpointed (its input kept, its forward recomputed in backward; ``recomputed``
-counts them). Not attached: not
+call of a layer that has graphs keeps its activations when they fit beside the pools (the same test as a capture's,
+for every graphed layer at the call's tokens, decided once per forward); else it is checkpointed (its input kept,
+its forward recomputed in backward; ``recomputed`` counts them). Not attached: not
 CUDA, a MoE model (the experts' shapes depend on the routing), dropout in a decoder layer (random numbers would
 repeat).
 
@@ -204,6 +205,8 @@ class CudaGraphs:
         self._captures = 0
         self._plan_run: Optional[PackedRun] = None
         self._plan_of_run: Union[Eager, Variant, None] = None
+        self._eager_run: Optional[PackedRun] = None  # the forward whose eager graphed calls were decided
+        self._eager_keeps = True  # whether they keep their activations (else recompute)
         self._layer_bytes: Optional[int] = None  # what one layer's graphs keep, measured at _layer_bucket tokens
         self._layer_bucket = 1
         self._graphed: set[int] = set()  # layers with graphs in some variant: their pools hold their activations
@@ -276,7 +279,8 @@ class CudaGraphs:
                     return replay(graphs, hidden_states)
             self._say(f"eager:{why.text}", f"a layer call ran eagerly: {why.text}", logging.INFO)
             self.eager[why.text] = self.eager.get(why.text, 0) + 1
-            if index in self._graphed and why is not CHECKPOINTED and torch.is_grad_enabled() and layer.training:
+            if index in self._graphed and why is not CHECKPOINTED and torch.is_grad_enabled() and layer.training \
+                    and not self._eager_keeps_activations(hidden_states, kwargs):
                 # its graphs' pool holds its activations already: a second copy outside it is what runs a
                 # GPU near its limit out of memory, so this call keeps only its input and recomputes
                 self.recomputed += 1
@@ -284,6 +288,21 @@ class CudaGraphs:
             return original(hidden_states, *args, **kwargs)
 
         return forward
+
+    def _eager_keeps_activations(self, x: torch.Tensor, kwargs: dict) -> bool:
+        """Whether this forward's eager calls of graphed layers keep their activations: whether every graphed
+        layer's, at this call's tokens, fits beside the pools (``_memory_problem``). Decided at the forward's first
+        such call, for all of them (its later layers' activations are not there yet to be counted)."""
+        run = kwargs.get("nbkit_run")
+        if run is not None and run is self._eager_run:
+            return self._eager_keeps
+        problem = self._memory_problem(x.device, x.shape[1], max(len(self._graphed), 1))
+        if isinstance(run, PackedRun):
+            self._eager_run, self._eager_keeps = run, problem is None
+        if problem is not None:
+            self._say("recompute", f"graphed layers called eagerly recompute their forward in backward: {problem}",
+                      logging.INFO)
+        return problem is None
 
     def _plan(self, x: Any, args: tuple, kwargs: dict) -> Union[Eager, Variant]:
         """This forward's graph variant (bucket, autocast state, constant arguments, per-token arguments), or why

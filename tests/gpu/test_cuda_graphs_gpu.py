@@ -157,6 +157,24 @@ def _rows_trained(model: torch.nn.Module, rows: list[list[int]], graphs: Any, se
     return out
 
 
+def test_with_room_an_eager_call_of_a_graphed_layer_keeps_its_activations():
+    """Real graphs and the real memory test: on the H200 a row above ``max_tokens`` after a captured bucket keeps
+    its activations beside the pools (no recompute); losses and gradients as the eager layers'."""
+    from nbkit.speedups.cuda_graphs import CudaGraphs
+
+    model = _lora_model()
+    rows = [[400, 600], [3000, 1000], [400, 600]]  # bucket 1024, above 2048, 1024
+    eager = _rows_trained(model, rows, None, seed_of=lambda i: i)
+    graphs = CudaGraphs(mode=True, max_tokens=2048)
+    graphed = _rows_trained(model, rows, graphs, seed_of=lambda i: i)
+    layers = 4
+    assert graphs.captured == layers and graphs.replays == 2 * layers
+    assert graphs.recomputed == 0 and graphs.eager == {"more than 2048 tokens": layers}
+    for (le, ge), (lg, gg) in zip(eager, graphed):
+        assert lg == pytest.approx(le, rel=5e-3)
+        assert max_relative(gg, ge) < 3e-2
+
+
 def test_a_replayed_layer_matches_its_eager_forward_and_backward_bucket_by_bucket():
     """One decoder layer, rows of 300, 1000 and 2048 tokens (buckets 384, 1024, 2048), the same row twice (a replay
     of a captured graph, not a first capture): outputs and gradients against the eager layer, to bf16 rounding."""
@@ -175,13 +193,14 @@ def test_a_replayed_layer_matches_its_eager_forward_and_backward_bucket_by_bucke
 
 def test_near_the_limit_a_row_replays_a_larger_bucket_and_an_eager_call_recomputes(monkeypatch):
     """Real graphs: a row whose own bucket is refused for memory replays the captured larger bucket (no new capture),
-    and a row above ``max_tokens`` runs the graphed layers checkpointed; losses and gradients as the eager layers'."""
+    and a row above ``max_tokens``, with no room for its activations beside the pools, runs the graphed layers
+    checkpointed; losses and gradients as the eager layers'."""
     from nbkit.speedups.cuda_graphs import CudaGraphs
 
     model = _lora_model()
     rows = [[400, 600], [100, 200], [3000, 1000], [400, 600]]  # buckets 1024, 384 (refused), above 2048, 1024
-    monkeypatch.setattr(CudaGraphs, "_memory_problem",
-                        lambda self, device, bucket, layers=1: "no memory" if bucket < 1024 and layers > 1 else None)
+    monkeypatch.setattr(CudaGraphs, "_memory_problem", lambda self, device, bucket, layers=1:
+                        "no memory" if (bucket < 1024 and layers > 1) or bucket > 2048 else None)
     eager = _rows_trained(model, rows, None, seed_of=lambda i: i)
     graphs = CudaGraphs(mode=True, max_tokens=2048)
     graphed = _rows_trained(model, rows, graphs, seed_of=lambda i: i)
