@@ -110,3 +110,28 @@ def test_moe_rounding_measures_every_path_against_float64(tmp_path, monkeypatch)
     assert all(r["logits_rel"] < 1e-5 and r["grads_rel"] < 1e-5 for r in rows if r["dtype"] == "float32"), rows
     assert all(1e-4 < r["logits_rel"] < 0.5 for r in rows if r["dtype"] == "bfloat16"), rows
     assert json.loads((tmp_path / "moe_rounding.json").read_text())["benchmark"] == "moe_rounding"
+
+
+def test_gap_tables_merge_streams_and_name_the_kernels_around_each_gap(tmp_path):
+    from benchmarks.profiling import gap_tables
+
+    kernel = {"ph": "X", "cat": "kernel"}
+    events = [dict(kernel, name="a", ts=0, dur=10), dict(kernel, name="b", ts=5, dur=10),  # overlapping streams
+              dict(kernel, name="gemm<float>", ts=100, dur=50), {"ph": "X", "cat": "gpu_memcpy", "name": "copy",
+                                                                 "ts": 160, "dur": 5},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500}]  # the host's: not counted
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    text = gap_tables(str(trace), steps=1)
+    # busy 15 + 50 + 5 us, idle 85 + 10 us over a 165 us window
+    assert text.startswith("GPU window 0.2 ms/step: busy 0.1, idle 0.1 (2 gaps a step")
+    assert "| 85 | `b` | `gemm<float>` |" in text and "| 10 | `gemm<float>` | `copy` |" in text
+    assert "| `gemm` | 0.09 |" in text  # idle before each kernel, templates folded
+
+
+def test_e2e_gaps_reruns_the_path_with_the_gpu_alone_profiled(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    rows = e2e.main(["--tiny", "--paths", "sft", "--tokens", "256", "--steps", "2", "--warmup", "1",
+                     "--gaps", "fastsft"])
+    assert [r["path"] for r in rows] == ["sft", "fastsft (GPU-profiled)"], rows
+    assert rows[1]["gpu_gaps"] == "no GPU activity in the trace"  # a CPU: nothing on a GPU to find gaps in
