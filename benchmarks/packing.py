@@ -84,7 +84,8 @@ def run_path(path: str, dataset: Any, args: argparse.Namespace) -> dict:
         trainer_cls = timed_trainer(fast=True)
         # packing alone: the other speedups are off so the ratio is this speedup's own
         config = FastSFTConfig(**common, attention_kernel=kernel, offload_checkpointing=False, fast_moe_routing=False,
-                               fused_lora=False, fused_kernels=False, tiled_mlp=False, live_dashboard=False)
+                               fused_lora=False, fused_kernels=False, tiled_mlp=False, live_dashboard=False,
+                               sync_free_metrics=False)
     else:
         trainer_cls = timed_trainer(fast=False)
         config = SFTConfig(**common)

@@ -62,6 +62,8 @@ def test_a_perturbed_path_is_far_from_float64_and_judged_above(tmp_path, monkeyp
     """Negative control: the loss of one path scaled by 1 + SCALE (gradients too): distance SCALE, verdict above."""
     from trl import SFTTrainer
 
+    from nbkit.speedups import sync_free_loss
+
     plain = SFTTrainer.compute_loss
 
     def compute_loss(self, *args, **kwargs):
@@ -69,6 +71,13 @@ def test_a_perturbed_path_is_far_from_float64_and_judged_above(tmp_path, monkeyp
         return loss * (1 + SCALE) if getattr(self, "nbkit_job", {}).get("path") == PERTURBED else loss
 
     monkeypatch.setattr(SFTTrainer, "compute_loss", compute_loss)
+    sync_free = sync_free_loss.sync_free_loss  # FastSFT's default loss path (sync_free_metrics)
+
+    def sync_free_scaled(trainer, *args, **kwargs):
+        loss = sync_free(trainer, *args, **kwargs)
+        return loss * (1 + SCALE) if getattr(trainer, "nbkit_job", {}).get("path") == PERTURBED else loss
+
+    monkeypatch.setattr(sync_free_loss, "sync_free_loss", sync_free_scaled)
     monkeypatch.setenv("OUT", str(tmp_path))
     payload = step_rounding.main(["--tiny", "--jobs", "0", "--batches", "2", "--paths", f"trl,fastsft,{PERTURBED}"])
     rows = _rows(payload)
