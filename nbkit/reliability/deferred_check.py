@@ -82,7 +82,7 @@ class DeferredLossCheck:
         """Report the current window at once (a host read); True when a loss in it was non-finite."""
         window = self._window
         self._window = []
-        flags = torch.stack([torch.stack([m.bad, m.masked]) for m in window]).tolist() if window else []
+        flags = _flags(window).tolist() if window else []
         for micro_batch, (bad, masked) in zip(window, flags):
             self._report(micro_batch, bad, masked)
         return any(bad for bad, _ in flags)
@@ -93,7 +93,7 @@ class DeferredLossCheck:
         self._window = []
         if not window:
             return
-        flags = torch.stack([torch.stack([m.bad, m.masked]) for m in window])
+        flags = _flags(window)
         on_gpu = flags.is_cuda
         host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=on_gpu)
         host.copy_(flags, non_blocking=on_gpu)
@@ -119,6 +119,11 @@ class DeferredLossCheck:
 
     def clear(self) -> None:
         self._window, self._pending = [], []
+
+
+def _flags(window: list[MicroBatch]) -> torch.Tensor:
+    """(n, 2) bool on the device: per micro-batch (non-finite, masked)."""
+    return torch.stack([torch.stack([m.bad, m.masked]) for m in window])
 
 
 def filtered_loss(loss: torch.Tensor, accumulated: torch.Tensor, steps_since_log: int) -> torch.Tensor:

@@ -205,29 +205,32 @@ class ReliableTraining:
             bad = self.accelerator.reduce(bad, reduction="sum")
         flags = torch.stack([bad > 0, _all_masked(inputs, loss.device)]).tolist()
         nonfinite_loss, masked = flags
-        step, micro = self.state.global_step + 1, max(1, self._nbkit_micro)
+        self._nbkit_act(loss, inputs, self.state.global_step + 1, max(1, self._nbkit_micro), nonfinite_loss, masked,
+                        deferred=False)
+
+    def _nbkit_report(self, micro_batch: MicroBatch, nonfinite_loss: bool, masked: bool) -> None:
+        """A micro-batch's flags read after its window's optimizer step (``deferred_check``)."""
+        self._nbkit_act(micro_batch.loss, micro_batch.inputs, micro_batch.step, micro_batch.micro, nonfinite_loss,
+                        masked, deferred=True)
+
+    def _nbkit_act(self, loss: torch.Tensor, inputs: dict[str, Any], step: int, micro: int, nonfinite_loss: bool,
+                   masked: bool, deferred: bool) -> None:
+        """Warn about a masked batch; on a non-finite loss stop (raise) or skip. ``deferred``: read after the
+        window's optimizer step, whose update the flag kept from being applied; else read before it."""
         if masked:
             self._nbkit_masked_batch(inputs, step, micro)
-        if nonfinite_loss:
-            event = self._nbkit_nonfinite(loss, inputs, masked, step, micro)
-            if switch(self.args, "on_nonfinite_loss") == "stop":
+        if not nonfinite_loss:
+            return
+        event = self._nbkit_nonfinite(loss, inputs, masked, step, micro)
+        if switch(self.args, "on_nonfinite_loss") == "stop":
+            if not deferred:
                 raise self._nbkit_stop(event, "after this batch's backward, before any optimizer step")
+            self.state.global_step = min(self.state.global_step, step - 1)  # step `step` applied nothing
+            raise self._nbkit_stop(event, f"at this batch; the optimizer update of step {step} was not applied")
+        if not deferred:
             # The backward still runs (DDP and FSDP expect one after every forward); then either the GradScaler
             # (fp16) finds the non-finite gradients and skips the step itself, or the window's gradients are dropped.
             self._nbkit_skip_window = self.accelerator.scaler is None
-
-    def _nbkit_report(self, micro_batch: MicroBatch, nonfinite_loss: bool, masked: bool) -> None:
-        """A micro-batch's flags read after its window's optimizer step (``deferred_check``), whose update a
-        non-finite loss kept from being applied."""
-        step, micro = micro_batch.step, micro_batch.micro
-        if masked:
-            self._nbkit_masked_batch(micro_batch.inputs, step, micro)
-        if not nonfinite_loss:
-            return
-        event = self._nbkit_nonfinite(micro_batch.loss, micro_batch.inputs, masked, step, micro)
-        if switch(self.args, "on_nonfinite_loss") == "stop":
-            self.state.global_step = min(self.state.global_step, step - 1)  # step `step` applied nothing
-            raise self._nbkit_stop(event, f"at this batch; the optimizer update of step {step} was not applied")
 
     def _nbkit_masked_batch(self, inputs: dict[str, Any], step: int, micro: int) -> None:
         """Record (and for the first few, warn about, with their rows) a micro-batch with every label masked."""

@@ -26,6 +26,8 @@ import inspect
 from typing import Any
 
 import torch
+from trl.kernels import ChunkedLogProbFunction
+from trl.trainer import utils as trl_utils
 
 LABELLED_KEY = "nbkit_labelled"  # the batch key the collator adds and the trainer hands to this head
 TRL_HEAD_SETTINGS = ("backbone_attr", "cast_lm_head_to_fp32", "final_logit_softcapping", "logit_scale", "outputs",
@@ -74,8 +76,6 @@ class LabelledHead:
     def __call__(self, *args: Any, nbkit_labelled: torch.Tensor | None = None, fused_lm_head: bool = False,
                  labels: torch.Tensor | None = None, shift_labels: torch.Tensor | None = None,
                  num_items_in_batch: Any = None, **kwargs: Any) -> Any:
-        from trl.trainer import utils as trl_utils
-
         text_config = self.model.config.get_text_config()
         router = kwargs.get("output_router_logits", getattr(text_config, "output_router_logits", False))
         if nbkit_labelled is None or not fused_lm_head or labels is None or shift_labels is not None or router \
@@ -90,9 +90,6 @@ class LabelledHead:
 
     def _labelled(self, index: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any, args: tuple,
                   kwargs: dict[str, Any]) -> Any:
-        from trl.kernels import ChunkedLogProbFunction
-        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE, FusedCausalLMOutput, maybe_gather_lm_head_ctx
-
         s = self.settings
         kwargs["use_cache"] = False
         hidden = getattr(self.model, s["backbone_attr"])(*args, **kwargs).last_hidden_state
@@ -102,10 +99,10 @@ class LabelledHead:
         labels = labels.to(head.weight.device)
         index = index.to(head.weight.device)
         targets = labels.reshape(-1).index_select(0, index + 1)  # position p predicts the token at p + 1
-        with maybe_gather_lm_head_ctx(head.weight, head.bias):
+        with trl_utils.maybe_gather_lm_head_ctx(head.weight, head.bias):
             per_token = ChunkedLogProbFunction.apply(
                 hidden.index_select(0, index), head.weight, head.bias, targets, s["temperature"],
-                _CHUNKED_LOGPROB_CHUNK_SIZE, s["final_logit_softcapping"], s["logit_scale"], s["outputs"])
+                trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE, s["final_logit_softcapping"], s["logit_scale"], s["outputs"])
         mask = labels[:, 1:] != -100
 
         def spread(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -115,5 +112,5 @@ class LabelledHead:
 
         log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1 = (spread(x) for x in per_token)
         loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
-        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, log_sum_sq_probs=log_sum_sq_probs,
+        return trl_utils.FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, log_sum_sq_probs=log_sum_sq_probs,
                                    mean_logits=mean_logits, is_top1=is_top1, label_mask=mask, aux_loss=None)
