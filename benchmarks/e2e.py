@@ -63,7 +63,15 @@ from .common import (
     timed_trainer,
     write_results,
 )
-from .profiling import HostProfiled, Profiled, gap_tables, host_tables, module_ranges, profile_tables
+from .profiling import (
+    HostProfiled,
+    Profiled,
+    gap_host_tables,
+    gap_tables,
+    host_tables,
+    module_ranges,
+    profile_tables,
+)
 
 SHAPES = {
     "1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
@@ -166,7 +174,8 @@ def _restore_base(trainer: Any) -> torch.nn.Module:
 
 # ------------------------------------------------------------------------------------------------------- the paths
 def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Namespace,
-             profile: bool, host: bool = False, gaps: bool = False) -> tuple[dict, torch.nn.Module, str]:
+             profile: bool, host: bool = False, gaps: bool = False,
+             gap_host: bool = False) -> tuple[dict, torch.nn.Module, str]:
     """One path's timed run on ``base`` (its own LoRA, unloaded afterwards): its row, the base back, its profile
     (``profile``: the GPU's kernels; ``host``: the host's time, sampled)."""
     from peft import LoraConfig
@@ -203,6 +212,8 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
     prof = Profiled(start=args.warmup) if profile else None
     if gaps:
         prof = Profiled(start=args.warmup, count=args.steps, host=False)
+    if gap_host:
+        prof = Profiled(start=args.warmup, count=2, host=True, stack=True)
     sampler = HostProfiled(start=args.warmup, count=args.steps) if host else None
     callbacks = [timer] + ([prof.callback] if prof else []) + ([sampler.callback] if sampler else [])
     if torch.cuda.is_available():
@@ -232,6 +243,11 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
         prof.prof.export_chrome_trace(trace)
         text = gap_tables(trace, prof.count)
         shutil.rmtree(os.path.dirname(trace), ignore_errors=True)
+    if gap_host and prof.prof is not None:
+        trace = os.path.join(tempfile.mkdtemp(prefix="nbkit-e2e-gaps-"), "trace.json")
+        prof.prof.export_chrome_trace(trace)
+        text = gap_host_tables(trace, prof.count)
+        shutil.rmtree(os.path.dirname(trace), ignore_errors=True)
     if sampler is not None and sampler.session is not None:
         text, row["host_ms_per_step"] = host_tables(sampler.session, sampler.count, row.get("step_ms"))
     if profile and prof.prof is not None and os.environ.get("OUT"):
@@ -260,6 +276,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--profile", default=None, help="profile this path (one of --paths, or an extra one)")
     parser.add_argument("--host-profile", default=None, help="run this path once more with its host side sampled")
     parser.add_argument("--gaps", default=None, help="run this path once more with the GPU alone profiled: its idle time")
+    parser.add_argument("--gap-host", default=None,
+                        help="run this path once more, host and Python stacks recorded: what the host ran in each GPU gap")
     parser.add_argument("--recipe", default="packed", choices=["packed", "notebook"],
                         help="packed: one packed row of --tokens per step, batch 1, LoRA r16; notebook: the common "
                              "notebook recipe, batch 2 x 4 accumulation steps, padding-free without packing, "
@@ -306,17 +324,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         dataset = packed_token_dataset(n_docs, SHAPES[shape]["vocab_size"], mean_len=mean_len, spread=spread)
         run_rows = []
         runs = [(spec, "") for spec in paths] + ([(args.host_profile, "host")] if args.host_profile else []) \
-            + ([(args.gaps, "gaps")] if args.gaps else [])
+            + ([(args.gaps, "gaps")] if args.gaps else []) + ([(args.gap_host, "gap_host")] if args.gap_host else [])
         for spec, extra in runs:
             try:
                 row, base, text = run_path(spec, base, dataset, args, profile=spec == args.profile and not extra,
-                                           host=extra == "host", gaps=extra == "gaps")
+                                           host=extra == "host", gaps=extra == "gaps", gap_host=extra == "gap_host")
                 if text:
-                    kind = {"host": "host profile", "gaps": "GPU idle"}.get(extra, "profile")
+                    kind = {"host": "host profile", "gaps": "GPU idle", "gap_host": "host in GPU gaps"}.get(extra,
+                                                                                                          "profile")
                     print(f"\n### {kind} of {spec} ({shape}, {tokens} tokens)\n\n{text}\n", flush=True)
-                    row[{"host": "host_profile", "gaps": "gpu_gaps"}.get(extra, "profile")] = text
+                    row[{"host": "host_profile", "gaps": "gpu_gaps", "gap_host": "gap_host"}.get(extra, "profile")] = text
                 if extra:
-                    row["path"] = f"{spec} ({'host-profiled' if extra == 'host' else 'GPU-profiled'})"
+                    row["path"] = f"{spec} ({'host-profiled' if extra in ('host', 'gap_host') else 'GPU-profiled'})"
             except Exception as exc:
                 row = failed_row(spec, exc)
             run_rows.append(dict(row, shape=shape, tokens=tokens, weights=weights, load_s=load_s, recipe=args.recipe,

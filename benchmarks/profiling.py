@@ -16,7 +16,7 @@ import torch
 class Profiled:
     """Profiles steps ``[start, start + count)`` of a run: a TrainerCallback that owns a torch.profiler session."""
 
-    def __init__(self, start: int, count: int = 2, host: bool = True) -> None:
+    def __init__(self, start: int, count: int = 2, host: bool = True, stack: bool = False) -> None:
         from transformers import TrainerCallback
 
         self.start, self.count, self.prof = start, count, None
@@ -29,7 +29,7 @@ class Profiled:
                     acts = [torch.profiler.ProfilerActivity.CPU] if host or not on_gpu else []
                     if torch.cuda.is_available():
                         acts.append(torch.profiler.ProfilerActivity.CUDA)
-                    outer.prof = torch.profiler.profile(activities=acts, record_shapes=False)
+                    outer.prof = torch.profiler.profile(activities=acts, record_shapes=False, with_stack=stack)
                     outer.prof.__enter__()
 
             def on_step_end(self, args, state, control, **kw):
@@ -255,4 +255,46 @@ def gap_tables(trace_path: str, steps: int, top: int = 15) -> str:
     lines += ["", "| kernel after the gap | idle ms/step before it |", "|---|---|"]
     for name, total in sorted(by_after.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"| `{name}` | {total / 1e3 / steps:.2f} |")
+    return "\n".join(lines)
+
+
+def gap_host_tables(trace_path: str, steps: int, min_gap_us: float = 300.0, top: int = 12) -> str:
+    """What the host ran while the GPU idled, from a chrome trace with host activity and Python stacks: for each GPU
+    gap of at least ``min_gap_us``, the top-level host calls made between launching the work before the gap and
+    launching the work after it (the host was late with the second launch; these calls are why). Recording the host
+    slows it several times over, so the durations are inflated; which calls sit in the gap is what this tells."""
+    import json
+
+    with open(trace_path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    host = sorted((e for e in events if e.get("cat") in ("python_function", "cpu_op", "cuda_runtime")),
+                  key=lambda e: (e["ts"], -e.get("dur", 0)))
+    if not gpu:
+        return "no GPU activity in the trace"
+    found: list[tuple[float, str, str, list[tuple[float, str]]]] = []
+    end, last = gpu[0]["ts"] + gpu[0].get("dur", 0), gpu[0]
+    for e in gpu[1:]:
+        if e["ts"] - end >= min_gap_us:
+            a = launches.get(last.get("args", {}).get("correlation"))
+            b = launches.get(e.get("args", {}).get("correlation"))
+            if a is not None and b is not None and b["ts"] > a["ts"]:
+                lo, hi = a["ts"] + a.get("dur", 0), b["ts"]
+                inside = [h for h in host if h["ts"] >= lo and h["ts"] + h.get("dur", 0) <= hi]
+                outer, covered = [], -1.0
+                for h in inside:  # top level: not inside an earlier call of the interval
+                    if h["ts"] >= covered:
+                        outer.append((h.get("dur", 0), h["name"]))
+                        covered = h["ts"] + h.get("dur", 0)
+                found.append((e["ts"] - end, last["name"], e["name"], sorted(outer, reverse=True)[:4]))
+        if e["ts"] + e.get("dur", 0) > end:
+            end, last = e["ts"] + e.get("dur", 0), e
+    lines = [f"GPU gaps of {min_gap_us:.0f} us or more over {steps} steps: {len(found)}", "",
+             "| gap us | kernel after | top-level host calls between the two launches (us, inflated by recording) |",
+             "|---|---|---|"]
+    for gap, _, after, calls in sorted(found, reverse=True)[:top]:
+        what = "; ".join(f"{name[:60]} {dur:,.0f}" for dur, name in calls) or "(none recorded)"
+        lines.append(f"| {gap:,.0f} | `{after[:50]}` | {what} |")
     return "\n".join(lines)

@@ -140,6 +140,17 @@ SWITCHES: tuple[Switch, ...] = (
         "dropout > 0 or a LoRA bias keep PEFT's forward.",
     ),
     Switch(
+        "dequant_cache", "auto", values=AUTO_BOOL,
+        summary="Fused LoRA layers' frozen 4-bit weights kept dequantized where memory is to spare; same numbers.",
+        help="Keep the frozen 4-bit base weights of the LoRA layers fused_lora runs dequantized, in the step's compute "
+        "dtype, instead of dequantizing each twice a step (forward, and backward for the input gradient). Decided once, "
+        "before the second micro-batch, after selective_checkpointing (activations first): 'auto' keeps all of them "
+        "when they fit in half of the GPU memory left (the limit less 10 percent, the peak so far, the optimizer state "
+        "and the activations selective_checkpointing planned for), else none, said once; True: always (also on a CPU); "
+        "False: never. The kept tensor is what the dequantization returns: outputs and gradients bit for bit the same. "
+        "Costs 2 bytes a weight (a 1.7B model: about 3 GB).",
+    ),
+    Switch(
         "fused_kernels", "auto", values=AUTO_BOOL,
         summary="Fused RMSNorm, SwiGLU/GeGLU and RoPE kernels on CUDA (Liger-Kernel's; frozen norms nbkit's), when Liger is "
         "installed.",

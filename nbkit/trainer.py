@@ -64,7 +64,8 @@ class FastSFT(ReliableTraining, SFTTrainer):
     (``cached_packing``), offloaded double-buffered checkpointing (``offload_checkpointing``), fast MoE routing
     (``fast_moe_routing``), fused LoRA layers (``fused_lora``), Liger's fused RMSNorm/SwiGLU/RoPE kernels
     (``fused_kernels``), the MLP tiled over the sequence (``tiled_mlp``), the last layers left un-checkpointed where
-    their activations fit (``selective_checkpointing``), the un-checkpointed layers replayed as CUDA graphs
+    their activations fit (``selective_checkpointing``), the frozen 4-bit weights kept dequantized where memory is
+    to spare (``dequant_cache``), the un-checkpointed layers replayed as CUDA graphs
     (``cuda_graphs``), TRL's step metrics read at logging time, not after every forward, and its LM head over
     positions the collator lists (``sync_free_metrics``), and a live notebook dashboard (``live_dashboard``). Always on:
     the FLOPs estimate transformers logs takes the model's parameter count once per run (``step_flops``), and the
@@ -87,6 +88,7 @@ class FastSFT(ReliableTraining, SFTTrainer):
         self._speedups: list[Speedup] = []
         self._train_stage = _TrainStageSpeedups()
         self._nbkit_active = False
+        self._nbkit_micro_batches = 0  # training micro-batches since the speedups were attached
         self.nbkit_attached: list[str] = []  # what the last train()/evaluate() ran with, kept after detach
         router = _router_setting(model)
         super().__init__(model, args, data_collator, *pargs, **kwargs)
@@ -132,6 +134,16 @@ class FastSFT(ReliableTraining, SFTTrainer):
         """TRL's loss; the collator's list of labelled positions is for ``sync_free_metrics`` only, never the model's."""
         inputs.pop(LABELLED_KEY, None)
         return super().compute_loss(model, inputs, *args, **kwargs)
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any):
+        """The step of ``ReliableTraining`` / TRL, after the speedups that spend free GPU memory planned for it."""
+        self._nbkit_micro_batches += 1
+        reserved = 0
+        for speedup in self._train_stage.attached:  # table order: selective_checkpointing before dequant_cache
+            plan = getattr(speedup, "before_micro_batch", None)
+            if plan is not None:
+                reserved += plan(self._nbkit_micro_batches, reserved)
+        return super().training_step(model, inputs, *args, **kwargs)
 
     def _maybe_add_dashboard(self) -> None:
         mode = _switch(self.args, "live_dashboard")
@@ -183,6 +195,7 @@ class FastSFT(ReliableTraining, SFTTrainer):
             return
         packed = getattr(self, "_nbkit_packing_enabled", False)
         self._nbkit_active = True
+        self._nbkit_micro_batches = 0
         self._speedups = []
         try:
             for stage, target in (("model", self.model), ("trainer", self)):

@@ -4,10 +4,10 @@
 config, and every module-level function of the transformers/PEFT modules loaded. While attached, the speedup must
 have changed something (else the comparison would prove nothing), and its ledger must hold every change. The only
 global act allowed is registering ``"nbkit"`` with transformers' attention/experts interfaces. A speedup that changes
-the model only once training runs (``selective_checkpointing`` decides after its first step) is exercised with
-training steps while attached, so the changes it makes then are held to the contract too. A trainer-stage speedup
-(``stage="trainer"``) is attached to a tiny ``FastSFT`` and held to the same for the trainer's own attributes and
-its model.
+the model only once training runs (``selective_checkpointing`` decides after its first step, ``dequant_cache``
+before the second micro-batch) is exercised with training steps (or the trainer's call) while attached, so the
+changes it makes then are held to the contract too. A trainer-stage speedup (``stage="trainer"``) is attached to a
+tiny ``FastSFT`` and held to the same for the trainer's own attributes and its model.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from nbkit.demo.models import tiny_model
 from nbkit.ops.layer_graphs import TapeBackend
 from nbkit.speedups import SPEEDUPS
 from nbkit.speedups.cuda_graphs import CudaGraphs
+from nbkit.speedups.dequant_cache import DequantCache
 from nbkit.speedups.fused_kernels import FusedKernels, KernelOps
 from nbkit.speedups.fused_lora import FusedLoRA
 from nbkit.speedups.moe import FastMoERouting
@@ -72,6 +73,21 @@ def _gc(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _four_bit_lora() -> torch.nn.Module:
+    """LoRA over NF4 bases (quantized on the CPU by bitsandbytes)."""
+    import bitsandbytes as bnb
+
+    model = tiny_model("qwen3", VOCAB)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear and name.endswith("_proj"):
+                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False, compute_dtype=torch.float32,
+                                      quant_type="nf4")
+                q.weight = bnb.nn.Params4bit(child.weight.data.clone(), requires_grad=False, quant_type="nf4", module=q)
+                setattr(module, name, q.to("cpu"))
+    return _lora(model)
+
+
 def _train_steps(model: torch.nn.Module, steps: int = 2) -> None:
     ids = torch.randint(0, VOCAB, (1, 32), generator=torch.Generator().manual_seed(0))
     for _ in range(steps):
@@ -103,13 +119,17 @@ CASES: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
     "tiled_mlp": (lambda: _lora(tiny_model("llama", VOCAB)), lambda: TiledMLP(tile_tokens=8)),
     "selective_checkpointing": (lambda: _gc(_lora(tiny_model("qwen3", VOCAB))),
                                 lambda: SelectiveCheckpointing(mode=True, max_tokens=32)),
+    "dequant_cache": (_four_bit_lora, lambda: DequantCache(mode=True)),
     "cuda_graphs": (lambda: _lora(tiny_model("qwen3", VOCAB)), lambda: CudaGraphs(mode=True, backend=TapeBackend())),
     "sync_free_metrics": (_trainer, SyncFreeLoss),
     "step_walks": (_trainer, CachedTrainableWalks),
     "step_flops": (_trainer, CachedFlops),
 }
-# switch -> what runs while it is attached, before the comparison (default: nothing)
-EXERCISE: dict[str, Callable[[torch.nn.Module], None]] = {"selective_checkpointing": _train_steps}
+# switch -> what runs while it is attached (given the model and the speedup), before the comparison (default: nothing)
+EXERCISE: dict[str, Callable[[torch.nn.Module, Any], None]] = {
+    "selective_checkpointing": lambda model, speedup: _train_steps(model),
+    "dequant_cache": lambda model, speedup: speedup.before_micro_batch(2),  # the trainer's call: copies kept
+}
 
 
 def _watched_modules() -> list[Any]:
@@ -197,7 +217,7 @@ def test_attach_then_detach_leaves_model_modules_and_functions_as_found(switch, 
     probe.detach()
     before = snapshot(model)
     assert speedup.attach(model) is True, f"{switch} did not attach to its model: the contract test proves nothing"
-    EXERCISE.get(switch, lambda m: None)(model)
+    EXERCISE.get(switch, lambda m, s: None)(model, speedup)
     during = snapshot(model)
     assert differences(before, during), f"{switch} attached but changed nothing this test can see"
     assert len(speedup._ledger) > 0, f"{switch} made its changes outside its ledger"

@@ -10,8 +10,11 @@ from the run's arguments. A speedup module wires one idea into transformers/PEFT
 - ``stage="train"``: attached to the model when training begins (``on_train_begin``: after transformers has enabled
   gradient checkpointing on the model), detached with the others.
 
-A speedup that decides at its first steps whether to do anything (``selective_checkpointing``, ``cuda_graphs``) says
-so through an ``engaged`` attribute; the trainer lists it in ``nbkit_attached`` only while it is engaged.
+A speedup that decides at its first steps whether to do anything (``selective_checkpointing``, ``dequant_cache``,
+``cuda_graphs``) says so through an ``engaged`` attribute; the trainer lists it in ``nbkit_attached`` only while it
+is engaged. One that spends free GPU memory has ``before_micro_batch(index, reserved) -> int``: the trainer calls it
+before each training micro-batch, in table order, with the bytes the ones before it planned for, and it returns
+its own.
 """
 
 from __future__ import annotations
@@ -168,6 +171,19 @@ def _graphs(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Sp
     return CudaGraphs(mode=mode)
 
 
+def _dequant(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
+    mode = switch(args, "dequant_cache")
+    if mode is False or not switch(args, "fused_lora"):
+        return None  # the kept copies are read by fused_lora's layers only
+    import torch
+
+    if mode == "auto" and (getattr(args, "use_cpu", False) or not torch.cuda.is_available()):
+        return None  # quietly: 'auto' sizes by CUDA memory
+    from .dequant_cache import DequantCache, compute_dtype
+
+    return DequantCache(mode=mode, dtype=compute_dtype(args))
+
+
 def _sync_free(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
     if not switch(args, "sync_free_metrics"):
         return None
@@ -199,6 +215,7 @@ SPEEDUPS: tuple[SpeedupSpec, ...] = (
     SpeedupSpec("step_flops", "trainer", _flops, switched=False),
     SpeedupSpec("offload_checkpointing", "train", _offload),
     SpeedupSpec("selective_checkpointing", "train", _selective),  # after offload: it wraps the checkpoint found
+    SpeedupSpec("dequant_cache", "train", _dequant),  # after selective: activations plan their memory first
     SpeedupSpec("cuda_graphs", "train", _graphs),  # graphs the layers left un-checkpointed
 )
 

@@ -3,7 +3,8 @@
 Why and the numerics: ``nbkit.ops.lora_linear``. This module decides which layers qualify (one active vanilla
 adapter, no DoRA/variant, no LoRA bias, dropout 0, not merged, a frozen ``nn.Linear`` or bitsandbytes ``Linear4bit``
 base, not ``fan_in_fan_out``) and gives each an instance ``forward`` through the ledger. At call time anything
-unusual (adapters disabled, merged, ``adapter_names`` mixing) runs PEFT's own forward.
+unusual (adapters disabled, merged, ``adapter_names`` mixing) runs PEFT's own forward. A 4-bit base's weight is
+dequantized at each call, unless ``dequant_cache`` keeps a dequantized copy of it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from ..ops.lora_linear import fused_lora_linear
+from .dequant_cache import dequantize, kept_weight
 from .ledger import PatchLedger
 
 logger = logging.getLogger(__name__)
@@ -28,11 +30,9 @@ def _dense_weight(base: nn.Linear) -> Callable[[torch.dtype], torch.Tensor]:
 
 
 def _nf4_weight(base: nn.Module) -> Callable[[torch.dtype], torch.Tensor]:
-    import bitsandbytes.functional as bnbf
-
     def weight(dtype: torch.dtype) -> torch.Tensor:
-        w = base.weight
-        return bnbf.dequantize_4bit(w.data, w.quant_state).to(dtype)
+        kept = kept_weight(base, dtype)  # dequant_cache's copy, where it keeps one
+        return kept if kept is not None else dequantize(base, dtype)
 
     return weight
 

@@ -13,8 +13,9 @@ How (each step):
   checkpoint's own, which sums the bytes of the distinct storages saved (parameters left out) and hands every
   tensor on unchanged. That is exactly what the layer keeps when it is not checkpointed, measured where it is held
   anyway: no extra memory, no extra compute, no value changed.
-- At the next micro-batch's first layer call it decides, once: ``n`` = the most of the LAST layers whose saved bytes,
-  scaled to the longest micro-batch the config allows (``max_tokens``), fit in ``SHARE`` of the memory left: the
+- Before the next micro-batch (the trainer's ``before_micro_batch`` call; else at its first layer call) it decides,
+  once: ``n`` = the most of the LAST layers whose saved bytes, scaled to the longest micro-batch the config allows
+  (``max_tokens``), fit in ``SHARE`` of the memory left: the
   limit torch sees (the per-process fraction applied) less ``MARGIN`` of it, less the peak allocated so far, less
   what persistent memory grew since step 1 began (optimizer state). The last layers, because backward frees their
   activations first. Those layers get ``gradient_checkpointing = False`` (transformers' ``GradientCheckpointingLayer``
@@ -169,6 +170,7 @@ class SelectiveCheckpointing:
         self._allocated_at_start: Optional[int] = None
         self.kept: Optional[int] = None
         self.per_token: list[float] = []
+        self.planned_bytes = 0
 
     @property
     def engaged(self) -> bool:
@@ -217,6 +219,14 @@ class SelectiveCheckpointing:
         self._reset()
 
     # ------------------------------------------------------------------------------------------------------ policy
+    def before_micro_batch(self, index: int, reserved: int = 0) -> int:
+        """Called by the trainer before each training micro-batch: decide before the second (step 1 measured), so
+        that what spends memory after this (``dequant_cache``) sees the plan; return the bytes the kept layers take
+        at the longest micro-batch. Without the call the decision comes at the next layer call, as before."""
+        if self.kept is None and index >= 2 and self._tokens and self._saved:
+            self._decide()
+        return self.planned_bytes
+
     def _first_call(self, index: int, tokens: Optional[int]) -> None:
         if not self._tokens and self._device.type == "cuda":
             self._allocated_at_start = gpu_in_use(self._device)
@@ -246,6 +256,7 @@ class SelectiveCheckpointing:
             sized = (f"{fmt_bytes(budget)} to spend: {SHARE:.0%} of the {fmt_bytes(limit)} limit less "
                      f"{MARGIN:.0%}, the {fmt_bytes(peak)} peak and {fmt_bytes(grown)} grown since step 1")
         self.kept = layers_to_keep(need, budget)
+        self.planned_bytes = sum(need[len(need) - self.kept:]) if self.kept else 0
         for layer in self._layers[len(self._layers) - self.kept:]:
             self._ledger.set(layer, "gradient_checkpointing", False)
         mean = sum(self.per_token) / len(self.per_token)

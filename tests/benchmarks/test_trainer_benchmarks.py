@@ -129,6 +129,29 @@ def test_gap_tables_merge_streams_and_name_the_kernels_around_each_gap(tmp_path)
     assert "| `gemm` | 0.09 |" in text  # idle before each kernel, templates folded
 
 
+def test_gap_host_tables_name_the_host_calls_between_the_launches_around_a_gap(tmp_path):
+    """A 900 us GPU gap: the kernel after it was launched late; the top-level host calls between the two launches
+    (not the ones nested in them, not the ones outside the interval) are named with their durations."""
+    from benchmarks.profiling import gap_host_tables
+
+    def x(cat, name, ts, dur, corr=None):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, **({"args": {"correlation": corr}}
+                                                                             if corr is not None else {})}
+
+    events = [x("cuda_runtime", "cudaLaunchKernel", 0, 5, 1), x("kernel", "first", 10, 20, 1),
+              x("python_function", "trainer.py(1): training_step", 6, 1000),  # encloses the interval: left out
+              x("python_function", "model.py(2): train", 20, 400), x("cpu_op", "aten::empty", 30, 10),  # nested
+              x("cpu_op", "aten::item", 500, 300),
+              x("cuda_runtime", "cudaLaunchKernel", 900, 5, 2), x("kernel", "second", 930, 20, 2),
+              x("cuda_runtime", "cudaLaunchKernel", 905, 5, 3), x("kernel", "third", 960, 20, 3)]  # 10 us: no gap
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    text = gap_host_tables(str(trace), steps=1)
+    assert text.startswith("GPU gaps of 300 us or more over 1 steps: 1")
+    assert "| 900 | `second` | model.py(2): train 400; aten::item 300 |" in text, text
+    assert "training_step" not in text and "aten::empty" not in text
+
+
 def test_e2e_gaps_reruns_the_path_with_the_gpu_alone_profiled(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
     rows = e2e.main(["--tiny", "--paths", "sft", "--tokens", "256", "--steps", "2", "--warmup", "1",
