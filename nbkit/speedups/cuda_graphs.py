@@ -73,8 +73,8 @@ from .ledger import PatchLedger
 logger = logging.getLogger(__name__)
 
 Mode = Union[bool, Literal["auto"]]
-MAX_TOKENS = 16384  # the largest bucket (graph_buckets.BUCKETS); longer rows run eagerly
-AUTO_MAX_WORK = 8.5e11  # 'auto': a layer's parameters x a bucket's tokens, at most (BENCHMARKS.md, cuda_graphs)
+MAX_TOKENS = 8192  # beyond this a layer's kernels are long enough to hide their launches: eager
+AUTO_MAX_WORK = 6e11  # 'auto': a layer's parameters x a bucket's tokens, at most (BENCHMARKS.md, cuda_graphs)
 MAX_CAPTURES = 2 * len(BUCKETS)  # capture calls (buckets, argument states, layers un-checkpointed late)
 RESERVE = 0.10  # of the memory this process may use, left free at least when capturing another layer's graphs
 _FUSED_KERNELS = (KERNEL_FNS["varlen"], KERNEL_FNS["flash_attn"])
