@@ -72,6 +72,7 @@ from .profiling import (
     module_ranges,
     profile_tables,
 )
+from .workload_args import workload_parser
 
 SHAPES = {
     "1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
@@ -264,14 +265,7 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
 def main(argv: list[str] | None = None) -> list[dict]:
     """Every path at every ``--tokens`` on one loaded base model; writes and returns the rows."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="1.7b", choices=["1.7b", "14b"])
-    parser.add_argument("--layers", type=int, default=None, help="shrink the model (default: all layers)")
-    parser.add_argument("--tokens", default="16384",
-                        help="tokens per step; a comma list runs each; N@G caps the process at G GiB for that row "
-                             "(torch's per-process memory fraction, as on a smaller card)")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser = workload_parser(__doc__.splitlines()[0])
     parser.add_argument("--paths", default="sft,fastsft")
     parser.add_argument("--profile", default=None, help="profile this path (one of --paths, or an extra one)")
     parser.add_argument("--host-profile", default=None, help="run this path once more with its host side sampled")
@@ -283,7 +277,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                              "notebook recipe, batch 2 x 4 accumulation steps, padding-free without packing, "
                              "documents of 256 to --tokens - 256 tokens, LoRA r32")
     parser.add_argument("--no-4bit", action="store_true", help="bf16 LoRA instead of QLoRA")
-    parser.add_argument("--fp16", action="store_true", help="float16 compute and training, as on a T4")
     parser.add_argument("--memory-log", action="store_true",
                         help="print the GPU memory before each row and after every optimizer step (allocated, reserved, "
                              "peak), nbkit's INFO messages (what each speedup decided, from which memory figures) "

@@ -38,6 +38,8 @@ import tempfile
 import time
 from typing import Any
 
+from .workload_args import workload_parser
+
 PATH = "unsloth"
 # The versions a figure depends on beyond common.PACKAGES (distribution names)
 EXTRA_PACKAGES = {"unsloth": "unsloth", "unsloth_zoo": "unsloth_zoo", "trl": "trl", "datasets": "datasets",
@@ -118,15 +120,7 @@ def run_row(folder: str, tokens: int, dataset: Any, args: argparse.Namespace) ->
 def main(argv: list[str] | None = None) -> list[dict]:
     """Each ``--tokens`` row in turn, Unsloth's model loaded afresh for each; writes and returns the rows."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="1.7b", choices=["1.7b", "14b"])
-    parser.add_argument("--layers", type=int, default=None, help="shrink the model (default: all layers)")
-    parser.add_argument("--tokens", default="16384",
-                        help="tokens per step; a comma list runs each; N@G caps the process at G GiB for that row")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--fp16", action="store_true", help="float16 compute and training, as on a T4")
-    args = parser.parse_args(argv)
+    args = workload_parser(__doc__.splitlines()[0]).parse_args(argv)
 
     import torch
     import unsloth  # noqa: F401  before transformers, TRL and PEFT: Unsloth patches them as it is imported
