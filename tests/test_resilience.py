@@ -160,6 +160,18 @@ def test_fit_suggestions_pick_what_would_help():
     assert not any("4bit" in t for t in fit_suggestions(_Args(per_device_train_batch_size=1), _Model(10, True)))
 
 
+def test_fit_suggestions_name_dequant_cache_first_while_it_keeps_copies():
+    """Copies kept by dequant_cache (its attribute on a module) are the first memory to give back; none, no tip."""
+    from nbkit.speedups.dequant_cache import DEQUANTIZED
+
+    model = _Model(10, quantized=True)
+    assert not any("dequant_cache" in t for t in fit_suggestions(_Args(), model))
+    vars(model)[DEQUANTIZED] = torch.empty(3 * 2**20, dtype=torch.bfloat16)  # 6 MiB
+    tips = fit_suggestions(_Args(), model)
+    assert tips[0] == "dequant_cache=False (gives back the 6 MiB of 4-bit weights it keeps dequantized)", tips
+    assert len(tips) == 3
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # non-finite loss
 

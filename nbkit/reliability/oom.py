@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..memory import DeviceMemory, device_memory
+from ..memory import DeviceMemory, device_memory, fmt_bytes
 
 
 class TrainingOutOfMemoryError(torch.OutOfMemoryError):
@@ -63,13 +63,27 @@ def _param_bytes(model: Any) -> int:
         return 0
 
 
+def _dequantized_bytes(model: Any) -> int:
+    """Bytes of the dequantized copies ``dequant_cache`` keeps on ``model``'s modules now (0: none)."""
+    from ..speedups.dequant_cache import DEQUANTIZED
+
+    if not isinstance(model, torch.nn.Module):
+        return 0
+    kept = (vars(m).get(DEQUANTIZED) for m in model.modules())
+    return sum(t.numel() * t.element_size() for t in kept if isinstance(t, torch.Tensor))
+
+
 def fit_suggestions(args: Any, model: Any = None, figures: DeviceMemory | None = None) -> list[str]:
     """The two or three settings most likely to make a step fit, best first.
 
     Activations grow with tokens per step (batch size x max_length) and shrink with (offloaded) checkpointing; the
-    weights shrink with a 4-bit base. When the weights take most of the device, 4-bit comes first.
+    weights shrink with a 4-bit base. When the weights take most of the device, 4-bit comes first; when
+    ``dequant_cache`` keeps dequantized copies on the model, turning it off comes before everything.
     """
     tips: list[str] = []
+    kept = _dequantized_bytes(model)
+    if kept:  # memory dequant_cache took after step 1: the first thing to give back
+        tips.append(f"dequant_cache=False (gives back the {fmt_bytes(kept)} of 4-bit weights it keeps dequantized)")
     batch = int(getattr(args, "per_device_train_batch_size", 1) or 1)
     accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
     max_length = getattr(args, "max_length", None)
