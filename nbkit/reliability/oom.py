@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..memory import DeviceMemory, device_memory, fmt_bytes
+from ..speedups.dequant_cache import kept_bytes
 
 
 class TrainingOutOfMemoryError(torch.OutOfMemoryError):
@@ -63,16 +64,6 @@ def _param_bytes(model: Any) -> int:
         return 0
 
 
-def _dequantized_bytes(model: Any) -> int:
-    """Bytes of the dequantized copies ``dequant_cache`` keeps on ``model``'s modules now (0: none)."""
-    from ..speedups.dequant_cache import DEQUANTIZED
-
-    if not isinstance(model, torch.nn.Module):
-        return 0
-    kept = (vars(m).get(DEQUANTIZED) for m in model.modules())
-    return sum(t.numel() * t.element_size() for t in kept if isinstance(t, torch.Tensor))
-
-
 def fit_suggestions(args: Any, model: Any = None, figures: DeviceMemory | None = None) -> list[str]:
     """The two or three settings most likely to make a step fit, best first.
 
@@ -81,7 +72,7 @@ def fit_suggestions(args: Any, model: Any = None, figures: DeviceMemory | None =
     ``dequant_cache`` keeps dequantized copies on the model, turning it off comes before everything.
     """
     tips: list[str] = []
-    kept = _dequantized_bytes(model)
+    kept = kept_bytes(model) if isinstance(model, torch.nn.Module) else 0
     if kept:  # memory dequant_cache took after step 1: the first thing to give back
         tips.append(f"dequant_cache=False (gives back the {fmt_bytes(kept)} of 4-bit weights it keeps dequantized)")
     batch = int(getattr(args, "per_device_train_batch_size", 1) or 1)

@@ -65,7 +65,13 @@ def kept_weight(base: torch.nn.Module, dtype: torch.dtype) -> Optional[torch.Ten
 def _dequantized_bytes(base: torch.nn.Module, dtype: torch.dtype) -> int:
     shape = getattr(base.weight.quant_state, "shape", None)
     numel = int(torch.Size(shape).numel()) if shape is not None else int(base.in_features * base.out_features)
-    return numel * torch.empty((), dtype=dtype).element_size()
+    return numel * dtype.itemsize
+
+
+def kept_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the copies kept on ``model``'s modules now (0: none; what ``dequant_cache=False`` gives back)."""
+    kept = (vars(m).get(DEQUANTIZED) for m in model.modules())
+    return sum(t.numel() * t.element_size() for t in kept if isinstance(t, torch.Tensor))
 
 
 def _bases(model: torch.nn.Module) -> list[torch.nn.Module]:

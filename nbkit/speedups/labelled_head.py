@@ -112,5 +112,6 @@ class LabelledHead:
 
         log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1 = (spread(x) for x in per_token)
         loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
-        return trl_utils.FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, log_sum_sq_probs=log_sum_sq_probs,
-                                   mean_logits=mean_logits, is_top1=is_top1, label_mask=mask, aux_loss=None)
+        return trl_utils.FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy,
+                                             log_sum_sq_probs=log_sum_sq_probs, mean_logits=mean_logits,
+                                             is_top1=is_top1, label_mask=mask, aux_loss=None)
