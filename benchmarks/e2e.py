@@ -143,10 +143,13 @@ def log_memory() -> None:
     def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         steps[0] += 1
         if torch.cuda.is_available():
-            gib = 2**30
+            gib, stats = 2**30, torch.cuda.memory_stats()
+            # the allocator's own calls so far: a step that grows its cache (cudaMalloc) or flushes it to retry
+            # (cudaFree after a synchronize) pays for them, once
             print(f"memory after optimizer step {steps[0]}: allocated {torch.cuda.memory_allocated() / gib:.2f} GiB, "
-                  f"reserved {torch.cuda.memory_reserved() / gib:.2f}, peak {torch.cuda.max_memory_allocated() / gib:.2f}",
-                  flush=True)
+                  f"reserved {torch.cuda.memory_reserved() / gib:.2f}, peak {torch.cuda.max_memory_allocated() / gib:.2f}, "
+                  f"cudaMalloc {stats.get('num_device_alloc', 0)}, cudaFree {stats.get('num_device_free', 0)}, "
+                  f"retries {stats.get('num_alloc_retries', 0)}", flush=True)
 
     register_optimizer_step_post_hook(after_step)
 
