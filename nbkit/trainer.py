@@ -65,9 +65,10 @@ class FastSFT(ReliableTraining, SFTTrainer):
     (``fast_moe_routing``), fused LoRA layers (``fused_lora``), Liger's fused RMSNorm/SwiGLU/RoPE kernels
     (``fused_kernels``), the MLP tiled over the sequence (``tiled_mlp``), the last layers left un-checkpointed where
     their activations fit (``selective_checkpointing``), the frozen 4-bit weights kept dequantized where memory is
-    to spare (``dequant_cache``), the un-checkpointed layers replayed as CUDA graphs
-    (``cuda_graphs``), TRL's step metrics read at logging time, not after every forward, and its LM head over
-    positions the collator lists (``sync_free_metrics``), and a live notebook dashboard (``live_dashboard``). Always on:
+    to spare (``dequant_cache``), the CUDA allocator's expandable segments (``expandable_segments``), the
+    un-checkpointed layers replayed as CUDA graphs (``cuda_graphs``), TRL's step metrics read at logging time, not
+    after every forward, and its LM head over positions the collator lists (``sync_free_metrics``), and a live
+    notebook dashboard (``live_dashboard``). Always on:
     the FLOPs estimate transformers logs takes the model's parameter count once per run (``step_flops``), and the
     step's gradient clip and ``zero_grad`` walk the trainable parameters only (``step_walks``).
 

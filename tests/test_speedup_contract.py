@@ -25,6 +25,7 @@ from nbkit.ops.layer_graphs import TapeBackend
 from nbkit.speedups import SPEEDUPS
 from nbkit.speedups.cuda_graphs import CudaGraphs
 from nbkit.speedups.dequant_cache import DequantCache
+from nbkit.speedups.expandable_segments import ExpandableSegments, current_settings
 from nbkit.speedups.fused_kernels import FusedKernels, KernelOps
 from nbkit.speedups.fused_lora import FusedLoRA
 from nbkit.speedups.moe import FastMoERouting
@@ -121,6 +122,7 @@ CASES: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
                                 lambda: SelectiveCheckpointing(mode=True, max_tokens=32)),
     "dequant_cache": (_four_bit_lora, lambda: DequantCache(mode=True)),
     "cuda_graphs": (lambda: _lora(tiny_model("qwen3", VOCAB)), lambda: CudaGraphs(mode=True, backend=TapeBackend())),
+    "expandable_segments": (lambda: tiny_model("qwen3", VOCAB), lambda: ExpandableSegments(mode=True)),
     "sync_free_metrics": (_trainer, SyncFreeLoss),
     "step_walks": (_trainer, CachedTrainableWalks),
     "step_flops": (_trainer, CachedFlops),
@@ -175,7 +177,8 @@ def snapshot(target: Any) -> dict[str, Any]:
         if config is not None and id(config) not in configs:
             configs[id(config)] = repr(sorted((k, repr(v)) for k, v in vars(config).items()))
     functions = {m.__name__: {k: id(v) for k, v in vars(m).items()} for m in _watched_modules()}
-    return {"modules": modules, "configs": configs, "functions": functions, "registries": _registries()}
+    return {"modules": modules, "configs": configs, "functions": functions, "registries": _registries(),
+            "allocator": current_settings()}
 
 
 def differences(before: dict, after: dict) -> list[str]:
@@ -194,6 +197,8 @@ def differences(before: dict, after: dict) -> list[str]:
             out.append(f"{mod}: {changed[:5]}")
     if after["registries"] != before["registries"]:
         out.append("an interface registry changed beyond 'nbkit'")
+    if after["allocator"] != before["allocator"]:
+        out.append(f"the allocator's settings: {before['allocator']!r} -> {after['allocator']!r}")
     trainer, got = before.get("trainer", {}), after.get("trainer", {})
     changed = sorted(k for k in set(trainer) | set(got) if got.get(k) != trainer.get(k))
     if changed:

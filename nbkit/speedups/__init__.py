@@ -57,6 +57,15 @@ def _packed(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Sp
     return PackedAttention(kernel=switch(args, "attention_kernel"))
 
 
+def _allocator(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
+    mode = switch(args, "expandable_segments")
+    if mode is False or (mode == "auto" and getattr(args, "use_cpu", False)):
+        return None
+    from .expandable_segments import ExpandableSegments
+
+    return ExpandableSegments(mode=mode)
+
+
 def _moe(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
     if not switch(args, "fast_moe_routing"):
         return None
@@ -205,6 +214,7 @@ def _flops(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Spe
 
 
 SPEEDUPS: tuple[SpeedupSpec, ...] = (
+    SpeedupSpec("expandable_segments", "model", _allocator),  # first: before the run allocates anything
     SpeedupSpec("cached_packing", "model", _packed),
     SpeedupSpec("fast_moe_routing", "model", _moe),
     SpeedupSpec("fused_lora", "model", _lora),
