@@ -145,10 +145,10 @@ SWITCHES: tuple[Switch, ...] = (
         help="Turn on the CUDA caching allocator's expandable segments (PYTORCH_CUDA_ALLOC_CONF="
         "expandable_segments:True) for the train() or evaluate() call, off again after it. With the default segments "
         "the first micro-batch longer than all before allocates new blocks for its whole activation set while the old "
-        "ones stay cached: a slow step and gigabytes of reserved memory nobody reuses (BENCHMARKS.md, Allocator "
-        "growth). 'auto': on a CUDA GPU on Linux under torch's own allocator, unless the user set expandable_segments "
-        "themselves (either way: theirs is kept); True: wherever torch takes the setting; False: never. Allocation "
-        "only: the same numbers, bit for bit.",
+        "ones stay cached: a slow step and gigabytes of reserved memory nobody reuses (BENCHMARKS.md, "
+        "expandable_segments). 'auto': on a CUDA GPU on Linux under torch's own allocator, unless the user set "
+        "expandable_segments themselves (either way: theirs is kept); True: wherever torch takes the setting; "
+        "False: never. Allocation only: the same numbers, bit for bit.",
     ),
     Switch(
         "dequant_cache", "auto", values=AUTO_BOOL,

@@ -7,7 +7,7 @@ segments for the whole activation set while the old ones stay cached: that one s
 allocations, and reserved memory grows by gigabytes nobody uses again. The first steps of a run pay the same as its
 rows grow. Expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which torch's memory notes
 recommend for exactly this: allocation sizes that change from batch to batch) map more pages into one segment
-instead. BENCHMARKS.md, Allocator growth, has the measurement that made this a default.
+instead. BENCHMARKS.md, ``expandable_segments``, has the measurement that made this a default.
 
 When: attached with the model stage, as ``train()`` or ``evaluate()`` starts and before the optimizer's state or any
 activation is allocated; detached when the call ends. The setting is the allocator's, one per process: attach turns
@@ -15,9 +15,9 @@ it on, detach off again (it was off: otherwise attach does nothing). What was al
 stays where it is; segments made while attached stay in the allocator's cache until freed.
 
 Modes: "auto": on a CUDA GPU under torch's own caching allocator on Linux (expandable segments need CUDA's virtual
-memory API: not on Windows, not ROCm before 7), unless the user chose ``expandable_segments`` themselves in
-``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` or through torch's setter (theirs is kept, either way); True:
-on wherever torch takes the setting, unless it is on already; False: never.
+memory API: left off on Windows and ROCm), unless the user chose ``expandable_segments`` in ``PYTORCH_CUDA_ALLOC_CONF``
+/ ``PYTORCH_ALLOC_CONF``, or through torch's setter where torch can read its settings back (not torch 2.11): theirs
+is kept, either way; True: on wherever torch takes the setting, unless it is on already; False: never.
 Contract: allocation only, so every output and gradient is the same, bit for bit
 (tests/gpu/test_expandable_segments_gpu.py); ``detach`` leaves the allocator's setting as found.
 """
