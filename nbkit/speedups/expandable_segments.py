@@ -41,7 +41,8 @@ _CHOICE = re.compile(rf"{SETTING}\s*:\s*(true|false)", re.IGNORECASE)
 
 
 def _setter() -> Optional[Callable[[str], None]]:
-    """torch's runtime setter of the allocator's settings (renamed in torch 2.9; None where neither exists)."""
+    """torch's runtime setter of the allocator's settings (``torch._C._accelerator_setAllocatorSettings`` in newer
+    releases, ``torch.cuda.memory._set_allocator_settings`` before; None where neither exists)."""
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if setter is None:
         setter = getattr(getattr(torch.cuda, "memory", None), "_set_allocator_settings", None)
@@ -50,7 +51,7 @@ def _setter() -> Optional[Callable[[str], None]]:
 
 def current_settings() -> Optional[str]:
     """The allocator settings torch holds now, as last set (from the environment, or at runtime); None where torch
-    cannot say (before 2.9)."""
+    cannot say (torch 2.11 cannot; 2.13 can)."""
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     try:
         return None if getter is None else str(getter())

@@ -78,7 +78,7 @@ def test_the_default_run_allocates_expandable_segments_and_trains_bit_for_bit_as
     print(f"attached {fast[3]}; expandable segments after each step: off {plain[2].expandable}, default "
           f"{fast[2].expandable}; losses {plain[0]} vs {fast[0]}")
     assert "expandable_segments" in fast[3] and "expandable_segments" not in plain[3]
-    if before[1] is not None:  # torch can say which settings it holds (2.9 on): on while the run trained
+    if before[1] is not None:  # where torch can say which settings it holds (not 2.11): on while the run trained
         assert fast[2].choice == [True] * STEPS and plain[2].choice == [before[0]] * STEPS
     assert all(True in kinds for kinds in fast[2].expandable)  # the run's new segments: expandable
     assert all(kinds == {False} for kinds in plain[2].expandable)
