@@ -21,6 +21,9 @@ Paths (``--paths``, comma separated):
 operator and by module (forward ranges per module type; backward by autograd node), and writes the trace to $OUT.
 ``--gaps NAME`` runs that path once more with the GPU alone profiled over its timed steps and prints where the GPU
 idles between kernels (total, the largest gaps and the kernels around them).
+``--each-path-alone`` runs each path in a Python process of its own, one after another, on the model saved once
+(``--model-dir DIR`` keeps and reuses that folder): in one process the path that runs first gets a fresh allocator
+and later ones inherit what it left (BENCHMARKS.md, run 20: the 14B 4K row's slow step depended on the order).
 ``--host-profile NAME`` runs that path once more after the timed runs, its timed steps sampled by pyinstrument (an
 optional dependency), and prints where the host's time per step goes: by package (nbkit's modules one by one), the
 host's waits for the GPU (the step timer's synchronize among them: the share of the step the GPU was the bottleneck),
@@ -285,6 +288,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                              "peak), nbkit's INFO messages (what each speedup decided, from which memory figures) "
                              "and each CUDA-graph capture's reserved memory")
     parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU: checks the script runs")
+    parser.add_argument("--model-dir", default=None,
+                        help="the random model's folder: reused when it holds one, saved there otherwise, and kept "
+                             "(default: a new temporary folder)")
+    parser.add_argument("--each-path-alone", action="store_true",
+                        help="run every path in a Python process of its own, one after another, on the model saved "
+                             "once: no path inherits another's allocator cache, kernels or warm-up, as in a fresh "
+                             "notebook")
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() or args.tiny):
         raise SystemExit("this benchmark needs a CUDA GPU (or --tiny for a CPU smoke run)")
@@ -292,11 +302,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         log_memory()
     shape = "tiny" if args.tiny else args.shape
     quantize = not (args.no_4bit or args.tiny)
-    folder = tempfile.mkdtemp(prefix=f"nbkit-e2e-{shape}-")
-    save_s = save_random_model(shape, args.layers, folder, args.tiny)
+    folder = args.model_dir or tempfile.mkdtemp(prefix=f"nbkit-e2e-{shape}-")
+    reused = os.path.isfile(os.path.join(folder, "config.json"))
+    save_s = 0.0 if reused else save_random_model(shape, args.layers, folder, args.tiny)
+    if args.each_path_alone:
+        try:
+            return each_path_alone(args, argv, folder, shape)
+        finally:
+            if not args.model_dir:  # a 14B model's folder is 30 GB
+                shutil.rmtree(folder, ignore_errors=True)
     base, load_s = load_base(folder, quantize, torch.float16 if args.fp16 else torch.bfloat16)
     weights = "nf4" if quantize else ("fp16" if args.fp16 else "bf16") if torch.cuda.is_available() else "fp32"
-    print(f"model {shape}: saved in {save_s:.1f} s, loaded ({weights}) in {load_s:.1f} s", flush=True)
+    saved = f"reused from {folder}" if reused else f"saved in {save_s:.1f} s"
+    print(f"model {shape}: {saved}, loaded ({weights}) in {load_s:.1f} s", flush=True)
     paths = split_paths(args.paths)
     if args.profile and args.profile not in paths:
         paths.append(args.profile)
@@ -346,6 +364,50 @@ def main(argv: list[str] | None = None) -> list[dict]:
         # after each row length, so a run cut short keeps the lengths it finished
         write_results("e2e", rows, argv=argv, name=f"e2e_{shape}" + ("_notebook" if args.recipe == "notebook" else ""),
                       notes="CPU smoke run (--tiny)" if args.tiny else "")
+    if not args.model_dir:  # the base is in memory; a 14B model's folder is 30 GB of disk
+        shutil.rmtree(folder, ignore_errors=True)
+    return rows
+
+
+def each_path_alone(args: argparse.Namespace, argv: list[str], folder: str, shape: str) -> list[dict]:
+    """``--each-path-alone``: each path of ``--paths`` runs as ``python -m benchmarks.e2e`` of its own (the same
+    arguments, that one path, ``--model-dir`` the saved model), one after another; their rows, merged row length by
+    row length in ``--paths`` order, are this run's results (each row says ``process``: which path's process)."""
+    import json
+    import subprocess
+
+    if args.profile or args.host_profile or args.gaps or args.gap_host:
+        raise SystemExit("--each-path-alone times paths only: profile a path in a run of its own")
+    own = [a for a in argv if a != "--each-path-alone"]
+    name = f"e2e_{shape}" + ("_notebook" if args.recipe == "notebook" else "")
+    by_path: list[tuple[str, list[dict]]] = []
+    for index, spec in enumerate(split_paths(args.paths), 1):
+        with tempfile.TemporaryDirectory(prefix="nbkit-e2e-path-") as out:
+            print(f"process {index}: {spec}", flush=True)
+            subprocess.run([sys.executable, "-m", "benchmarks.e2e", *own, "--paths", spec, "--model-dir", folder],
+                           check=False, env={**os.environ, "OUT": out})
+            try:
+                with open(os.path.join(out, f"{name}.json")) as f:
+                    found = json.load(f)["figures"]
+            except (OSError, ValueError, KeyError):
+                found = []
+        by_path.append((spec, [dict(row, process=index) for row in found]))
+    rows: list[dict] = []
+    for spec_row in args.tokens.split(","):
+        tokens, _, cap = spec_row.partition("@")
+        key = (int(tokens), float(cap) if cap else None)
+        run_rows = []
+        for index, (spec, found) in enumerate(by_path, 1):
+            row = next((r for r in found if (r.get("tokens"), r.get("cap_gib")) == key), None)
+            if row is None:  # its process stopped before this row length (its output above says why)
+                row = dict(failed_row(spec, RuntimeError("its process wrote no row of this length")), process=index,
+                           shape=shape, tokens=key[0], cap_gib=key[1])
+            run_rows.append(row)
+        rows += run_rows
+        table = markdown_table(run_rows, baseline="sft" if "sft" in [spec for spec, _ in by_path] else None)
+        capped = f", process capped at {cap} GiB" if cap else ""
+        print(f"\n{shape}, {tokens} tokens/step{capped}, each path in its own process\n{table}\n", flush=True)
+    write_results("e2e", rows, argv=argv, name=name, notes="CPU smoke run (--tiny)" if args.tiny else "")
     return rows
 
 

@@ -35,6 +35,39 @@ def test_e2e_tiny_runs_plain_trl_and_fastsft_to_the_same_first_loss(tmp_path, mo
     _check_written(tmp_path / "e2e_tiny.json", "e2e", argv, rows)
 
 
+def test_e2e_each_path_alone_runs_every_path_in_its_own_process_on_one_saved_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    model = tmp_path / "model"
+    argv = ["--tiny", "--paths", "sft,fastsft", "--tokens", "256", "--steps", "2", "--warmup", "1",
+            "--each-path-alone", "--model-dir", str(model)]
+    rows = e2e.main(argv)
+    assert [(r["path"], r["process"]) for r in rows] == [("sft", 1), ("fastsft", 2)], rows
+    assert not [r for r in rows if r.get("error")], rows
+    sft, fast = rows
+    assert fast["loss_first"] == pytest.approx(sft["loss_first"], rel=1e-4)  # the same saved model and data
+    assert (model / "config.json").is_file()  # --model-dir: kept for the next run
+    _check_written(tmp_path / "out" / "e2e_tiny.json", "e2e", argv, rows)
+
+
+def test_e2e_each_path_alone_names_a_path_whose_process_wrote_nothing(tmp_path, monkeypatch):
+    """A path's process that dies before writing (killed for memory, say) leaves an error row, not a gap."""
+    import subprocess
+
+    real = subprocess.run
+
+    def second_dies(command, **kwargs):
+        if "fastsft" in command:
+            return subprocess.CompletedProcess(command, -9)
+        return real(command, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", second_dies)
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    argv = ["--tiny", "--paths", "sft,fastsft", "--tokens", "256", "--steps", "1", "--warmup", "1", "--each-path-alone"]
+    rows = e2e.main(argv)
+    assert [r["path"] for r in rows] == ["sft", "fastsft"]
+    assert not rows[0].get("error") and "wrote no row" in rows[1]["error"] and rows[1]["tokens"] == 256, rows
+
+
 def test_e2e_notebook_recipe_times_whole_optimizer_steps(tmp_path, monkeypatch):
     """batch 2 x 4 accumulation steps, padding-free, unpacked: one timer entry per optimizer step holding its 8
     documents' tokens (not one per micro-step)."""
