@@ -362,11 +362,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"\n{shape}, {what}, {'QLoRA nf4' if quantize else 'LoRA ' + weights}\n{table}\n",
               flush=True)
         # after each row length, so a run cut short keeps the lengths it finished
-        write_results("e2e", rows, argv=argv, name=f"e2e_{shape}" + ("_notebook" if args.recipe == "notebook" else ""),
+        write_results("e2e", rows, argv=argv, name=results_name(shape, args.recipe),
                       notes="CPU smoke run (--tiny)" if args.tiny else "")
     if not args.model_dir:  # the base is in memory; a 14B model's folder is 30 GB of disk
         shutil.rmtree(folder, ignore_errors=True)
     return rows
+
+
+def results_name(shape: str, recipe: str) -> str:
+    """The results file's name (without .json) under $OUT: ``e2e_<shape>``, ``_notebook`` for that recipe."""
+    return f"e2e_{shape}" + ("_notebook" if recipe == "notebook" else "")
 
 
 def each_path_alone(args: argparse.Namespace, argv: list[str], folder: str, shape: str) -> list[dict]:
@@ -379,7 +384,7 @@ def each_path_alone(args: argparse.Namespace, argv: list[str], folder: str, shap
     if args.profile or args.host_profile or args.gaps or args.gap_host:
         raise SystemExit("--each-path-alone times paths only: profile a path in a run of its own")
     own = [a for a in argv if a != "--each-path-alone"]
-    name = f"e2e_{shape}" + ("_notebook" if args.recipe == "notebook" else "")
+    name = results_name(shape, args.recipe)
     by_path: list[tuple[str, list[dict]]] = []
     for index, spec in enumerate(split_paths(args.paths), 1):
         with tempfile.TemporaryDirectory(prefix="nbkit-e2e-path-") as out:

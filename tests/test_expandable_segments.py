@@ -87,8 +87,11 @@ def test_other_allocator_settings_survive_the_run(monkeypatch):
     assert current_settings() == "max_split_size_mb:128"
 
 
-def test_fastsft_attaches_it_for_the_call_only(monkeypatch, tmp_path, one_thread):
-    from parity import fast_sft
+def test_fastsft_attaches_it_for_the_call_only_and_trains_as_without(monkeypatch, tmp_path, one_thread):
+    """On for the call, off after it; the run's losses, gradients and weights bit for bit those of the run without
+    (on a CPU the allocator is not CUDA's: this holds the switch to changing nothing else; the GPU test trains with
+    the setting really in use)."""
+    from parity import BITWISE, assert_same_run, fast_sft, train
 
     seen: list[bool | None] = []
     real_attach = ExpandableSegments.attach
@@ -99,10 +102,9 @@ def test_fastsft_attaches_it_for_the_call_only(monkeypatch, tmp_path, one_thread
         return attached
 
     monkeypatch.setattr(ExpandableSegments, "attach", attach)
-    trainer = fast_sft(tmp_path, expandable_segments=True, max_steps=1)
-    trainer.train()
-    assert seen == [True] and "expandable_segments" in trainer.nbkit_attached
+    on = train(fast_sft(tmp_path / "on", expandable_segments=True, max_steps=2), grads=True)
+    assert seen == [True] and "expandable_segments" in on.trainer.nbkit_attached
     assert user_choice() is None and current_settings() == ""
-    off = fast_sft(tmp_path / "off", expandable_segments=False, max_steps=1)
-    off.train()
-    assert "expandable_segments" not in off.nbkit_attached
+    off = train(fast_sft(tmp_path / "off", expandable_segments=False, max_steps=2), grads=True)
+    assert "expandable_segments" not in off.trainer.nbkit_attached
+    assert_same_run(on, off, weights=BITWISE)
