@@ -133,3 +133,72 @@ def test_fused_lora_matches_peft(four_bit):
     assert _rel(fused[0], plain[0]) <= 2e-2
     for a, b in zip(fused[1:], plain[1:]):
         assert _rel(a, b) <= 5e-2
+
+
+class _Projections(nn.Module):
+    """One decoder layer's projections at Qwen3-1.7B's widths: q/k/v of the normed input, gate/up of another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(2048, n, bias=False) for n in (2048, 1024, 1024))
+        self.gate_proj, self.up_proj = nn.Linear(2048, 6144, bias=False), nn.Linear(2048, 6144, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        h = qkv[..., :2048] + qkv[..., 2048:3072].repeat(1, 2) * qkv[..., 3072:].repeat(1, 2)
+        return torch.nn.functional.silu(self.gate_proj(h)) * self.up_proj(h)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_lora_groups_match_each_alone_and_peft(cached):
+    """4-bit bases in bf16 at 4,096 tokens: the groups (dequantized each call, or dequant_cache's stacked copy)
+    against each layer alone (outputs within 1e-2, gradients within 2e-2: the same products summed in another order)
+    and PEFT (the tolerances above)."""
+    import bitsandbytes as bnb
+    from peft import LoraConfig, get_peft_model
+
+    from nbkit.speedups.dequant_cache import DequantCache
+    from nbkit.speedups.fused_lora import FusedLoRA
+
+    torch.manual_seed(0)
+    block = _Projections()
+    for name, lin in list(block.named_children()):
+        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=torch.bfloat16,
+                              quant_type="nf4", compress_statistics=True)
+        q.weight = bnb.nn.Params4bit(lin.weight.data.to(torch.bfloat16), requires_grad=False, quant_type="nf4",
+                                     compress_statistics=True, module=q)
+        setattr(block, name, q)
+    model = get_peft_model(block.cuda(), LoraConfig(r=16, lora_alpha=32, target_modules=[
+        "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.02)
+    x0 = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
+    cache = DequantCache(mode=True, dtype=torch.bfloat16)
+    if cached:
+        assert cache.attach(model) and cache.before_micro_batch(2) > 0
+
+    def run(speedup):
+        if speedup is not None:
+            assert speedup.attach(model)
+        model.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_(True)
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = model(x)
+            y.float().square().mean().backward()
+        finally:
+            if speedup is not None:
+                speedup.detach()
+        return [y.detach(), x.grad] + [p.grad for _, p in sorted(model.named_parameters()) if p.requires_grad]
+
+    try:
+        grouped_lora = FusedLoRA(groups=True)
+        grouped, alone, plain = run(grouped_lora), run(FusedLoRA()), run(None)
+        assert [len(g.members) for g in grouped_lora.grouped] == [3, 2]
+    finally:
+        cache.detach()
+    assert len(grouped) == 2 + 10
+    assert _rel(grouped[0], alone[0]) <= 1e-2 and _rel(grouped[0], plain[0]) <= 2e-2
+    for a, b, c in zip(grouped[1:], alone[1:], plain[1:]):
+        assert _rel(a, b) <= 2e-2 and _rel(a, c) <= 5e-2
