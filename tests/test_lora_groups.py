@@ -142,6 +142,7 @@ def test_4bit_groups_read_the_stacked_copy(one_thread, monkeypatch):
     assert vars(layer.k_proj.base_layer)[DEQUANTIZED].data_ptr() == stack[48:].data_ptr()
     calls = [0]
     monkeypatch.setattr(lora, "dequantize", lambda *a: calls.__setitem__(0, calls[0] + 1))
+    monkeypatch.setattr(lora, "dequantize_into", lambda *a: calls.__setitem__(0, calls[0] + 1))
     try:
         kept = _run(model, x, FusedLoRA(groups=True))
     finally:

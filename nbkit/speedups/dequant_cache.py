@@ -61,6 +61,18 @@ def dequantize(base: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
     return bnbf.dequantize_4bit(weight.data, weight.quant_state).to(dtype)
 
 
+def dequantize_into(base: torch.nn.Module, out: torch.Tensor) -> torch.Tensor:
+    """``dequantize(base, out.dtype)`` written into ``out`` (a contiguous buffer of the weight's shape): straight
+    from the kernel on CUDA when ``out`` has the quantized state's dtype, else through a copy (bitsandbytes has no
+    CPU kernel with an output argument)."""
+    import bitsandbytes.functional as bnbf
+
+    weight = base.weight
+    if out.is_cuda and out.dtype == weight.quant_state.dtype and out.is_contiguous():
+        return bnbf.dequantize_4bit(weight.data, weight.quant_state, out=out)
+    return out.copy_(dequantize(base, out.dtype))
+
+
 def kept_weight(base: torch.nn.Module, dtype: torch.dtype) -> Optional[torch.Tensor]:
     """The copy this speedup kept for ``base`` in ``dtype``, or None (then the caller dequantizes)."""
     kept = vars(base).get(DEQUANTIZED)
@@ -193,8 +205,7 @@ class DequantCache:
                             device=bases[0].weight.device)
         row = 0
         for base in bases:
-            rows = stack[row:row + base.out_features]
-            rows.copy_(dequantize(base, dtype))
+            rows = dequantize_into(base, stack[row:row + base.out_features])
             self._ledger.set(base, DEQUANTIZED, rows)
             self._ledger.set(base, STACKED, stack)
             row += base.out_features

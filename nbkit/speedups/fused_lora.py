@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..ops.lora_linear import fused_lora_linear, grouped_lora_linear
-from .dequant_cache import dequantize, kept_group, kept_weight
+from .dequant_cache import dequantize, dequantize_into, kept_group, kept_weight
 from .ledger import PatchLedger
 
 logger = logging.getLogger(__name__)
@@ -55,8 +55,11 @@ def _stacked_weight(bases: list[nn.Module], four_bit: bool) -> Callable[[torch.d
                           device=bases[0].weight.device)
         row = 0
         for base in bases:
-            kept_one = kept_weight(base, dtype)
-            out[row:row + base.out_features].copy_(kept_one if kept_one is not None else dequantize(base, dtype))
+            rows, kept_one = out[row:row + base.out_features], kept_weight(base, dtype)
+            if kept_one is not None:
+                rows.copy_(kept_one)
+            else:
+                dequantize_into(base, rows)
             row += base.out_features
         return out
 
