@@ -36,6 +36,11 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _scaled_mm(m1: torch.Tensor, m2: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * (m1 @ m2)`` in one GEMM: the scale applied in its fp32 epilogue (beta=0: the scalar is never read)."""
+    return torch.addmm(m1.new_empty(()), m1, m2, beta=0, alpha=scale)
+
+
 class _LoRAProduct(torch.autograd.Function):
     """First half of a fused LoRA linear: ``s (x A^T) B^T (+ bias)``, the tensor the base GEMM accumulates into.
 
@@ -65,10 +70,10 @@ class _LoRAProduct(torch.autograd.Function):
         grad_a = grad_b = None
         if need_a:
             if gb is None:
-                gb = torch.mm(grad_y, b).mul_(s)
+                gb = _scaled_mm(grad_y, b, s)
             grad_a = torch.mm(gb.t(), x2).to(ctx.param_dtypes[0])
         if need_b:
-            grad_b = torch.mm(grad_y.t(), xa.mul(s)).to(ctx.param_dtypes[1])
+            grad_b = _scaled_mm(grad_y.t(), xa, s).to(ctx.param_dtypes[1])
         return None, grad_a, grad_b, None, None, None  # x's LoRA gradient is added by _FrozenBaseAdd
 
 
@@ -94,7 +99,7 @@ class _FrozenBaseAdd(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             lora_a, lora_b = ctx.link["params"]
             a, b = lora_a.to(grad_y.dtype), lora_b.to(grad_y.dtype)
-            gb = torch.mm(grad_y, b).mul_(ctx.scaling)
+            gb = _scaled_mm(grad_y, b, ctx.scaling)
             grad_x = torch.mm(grad_y, ctx.weight_fn(grad_y.dtype))
             grad_x.addmm_(gb, a)
             if lora_a.requires_grad:
