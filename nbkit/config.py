@@ -63,7 +63,6 @@ class FastSFTConfig(SFTConfig):
     cuda_graphs: AutoBool = config_field("cuda_graphs")
     fast_moe_routing: bool = config_field("fast_moe_routing")
     fused_lora: bool = config_field("fused_lora")
-    lora_groups: bool = config_field("lora_groups")
     expandable_segments: AutoBool = config_field("expandable_segments")
     dequant_cache: AutoBool = config_field("dequant_cache")
     fused_kernels: AutoBool = config_field("fused_kernels")

@@ -140,17 +140,6 @@ SWITCHES: tuple[Switch, ...] = (
         "dropout > 0 or a LoRA bias keep PEFT's forward.",
     ),
     Switch(
-        "lora_groups", True,
-        summary="Fused LoRA layers that read one input (q/k/v, gate/up) run as one GEMM a pass; same losses.",
-        help="With fused_lora, run the LoRA layers of a decoder layer that read the same input (its q, k and v "
-        "projections; its gate and up projections) as one: the A factors stacked, the B factors block-diagonal, the "
-        "frozen weights stacked by rows (dequant_cache keeps them stacked), so the forward, the input gradient and "
-        "each factor's product are one GEMM for the group instead of one per projection, and the group's input "
-        "gradients are summed inside that GEMM. Short rows are many small GEMMs, each paying its launch and tail. "
-        "Members need the same adapter, scaling, factor dtypes and base kind; others run alone. Same losses and "
-        "gradients up to rounding (the products' summation order).",
-    ),
-    Switch(
         "expandable_segments", "auto", values=AUTO_BOOL,
         summary="The CUDA allocator grows segments in place while training: a longer row maps pages, not new blocks.",
         help="Turn on the CUDA caching allocator's expandable segments (PYTORCH_CUDA_ALLOC_CONF="

@@ -10,12 +10,6 @@ memory is unchanged; only ``x`` (already kept by the base) and the rank-r produc
 saved before the base GEMM runs, so a checkpointed layer's recompute skips its final projection's base GEMM
 (see ``_LoRAProduct``).
 
-``grouped_lora_linear``: several LoRA linears that read the same input (a layer's q/k/v, or gate/up) as one: the A
-factors stacked, the B factors block-diagonal and the frozen weights stacked by rows, so each pass runs one GEMM of
-the summed width instead of one per projection (at short rows a step is many small GEMMs, each bound by its launch
-and tail more than its FLOPs), and the backward sums the input gradients inside one GEMM instead of adding them. The
-off-diagonal zeros of B add exact zeros to the rank-r products.
-
 Contract: the same outputs and gradients as PEFT's forward up to rounding (the LoRA term is added in fp32 inside the
 GEMM instead of after three bf16 roundings). A layer qualifies when it has one active vanilla LoRA adapter (no DoRA
 or other variant, no LoRA bias, dropout 0), is not merged, its base is an ``nn.Linear`` or a bitsandbytes
@@ -117,23 +111,3 @@ def fused_lora_linear(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tenso
         y = _LoRAProduct.apply(x2, lora_a, lora_b, bias, scaling, link)
         y = _FrozenBaseAdd.apply(x2, y, scaling, weight_fn, link)
     return y.view(*x.shape[:-1], y.shape[-1])
-
-
-def grouped_lora_linear(x: torch.Tensor, lora_as: list[torch.Tensor], lora_bs: list[torch.Tensor],
-                        biases: Optional[list[torch.Tensor]], scaling: float,
-                        weight_fn: Callable[[torch.dtype], torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Each ``x W_i^T (+ b_i) + s (x A_i^T) B_i^T`` of LoRA linears sharing ``x`` and ``s``, through one GEMM a pass.
-
-    ``weight_fn(dtype)`` returns the frozen weights stacked by rows (``W_0`` on top), ``biases`` all of them or None.
-    Returns one view per linear, in order: column slices of one output, so their gradients meet in one buffer.
-    """
-    dtype = _compute_dtype(x)
-    x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-    lora_a, lora_b = torch.cat(lora_as), torch.block_diag(*lora_bs)  # differentiable: gradients reach each factor
-    bias = torch.cat(biases) if biases is not None else None
-    link: dict = {"params": (lora_a, lora_b)}
-    with torch.autocast(x.device.type, enabled=False):
-        y = _LoRAProduct.apply(x2, lora_a, lora_b, bias, scaling, link)
-        y = _FrozenBaseAdd.apply(x2, y, scaling, weight_fn, link)
-    sizes = [b.shape[0] for b in lora_bs]
-    return y.view(*x.shape[:-1], y.shape[-1]).split(sizes, dim=-1)

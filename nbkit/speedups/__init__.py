@@ -79,7 +79,7 @@ def _lora(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Spee
         return None
     from .fused_lora import FusedLoRA
 
-    return FusedLoRA(groups=bool(switch(args, "lora_groups")))
+    return FusedLoRA()
 
 
 def _kernels(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:

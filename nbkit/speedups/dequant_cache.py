@@ -19,10 +19,6 @@ peak allocated so far, less what persistent memory grew since training began (op
 speedups before it planned); else none, said once with the numbers. Never partly: a partial cache saves little and
 would compete with the graphs' pools for the memory near the limit.
 
-Layout: the bases of a group ``fused_lora`` may run as one (``fused_lora.lora_groups``: a layer's q/k/v, its gate/up)
-are dequantized into one buffer, stacked by rows, and each base keeps its row slice (contiguous); the group's stacked
-weight (``STACKED``, on each of its bases) is then read without a copy. The same bytes as separate copies.
-
 Which weights: the frozen NF4/FP4 bases of the LoRA layers ``fused_lora`` runs (``fused_lora.why_not_fusable``);
 only the fused path reads the kept copy (PEFT's own forward dequantizes as before). The dtype is the trainer's
 compute dtype (fp16 or bf16 mixed precision; else the weight's own ``quant_state`` dtype).
@@ -47,7 +43,6 @@ logger = logging.getLogger(__name__)
 
 Mode = Union[bool, Literal["auto"]]
 DEQUANTIZED = "nbkit_dequantized"  # the attribute of a Linear4bit that holds its kept copy
-STACKED = "nbkit_dequantized_stack"  # on each base of a group: the buffer its copy is a row slice of
 MARGIN = 0.10  # of the GPU's limit, never planned for (as selective_checkpointing's)
 SHARE = 0.5  # of what is left after the margin, the peak, the growth and earlier plans: what the copies may take
 PLAN_AT = 2  # the micro-batch before which it decides: step 1's peak and measurements are known then
@@ -61,30 +56,10 @@ def dequantize(base: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
     return bnbf.dequantize_4bit(weight.data, weight.quant_state).to(dtype)
 
 
-def dequantize_into(base: torch.nn.Module, out: torch.Tensor) -> torch.Tensor:
-    """``dequantize(base, out.dtype)`` written into ``out`` (a contiguous buffer of the weight's shape): straight
-    from the kernel on CUDA when ``out`` has the quantized state's dtype, else through a copy (bitsandbytes has no
-    CPU kernel with an output argument)."""
-    import bitsandbytes.functional as bnbf
-
-    weight = base.weight
-    if out.is_cuda and out.dtype == weight.quant_state.dtype and out.is_contiguous():
-        return bnbf.dequantize_4bit(weight.data, weight.quant_state, out=out)
-    return out.copy_(dequantize(base, out.dtype))
-
-
 def kept_weight(base: torch.nn.Module, dtype: torch.dtype) -> Optional[torch.Tensor]:
     """The copy this speedup kept for ``base`` in ``dtype``, or None (then the caller dequantizes)."""
     kept = vars(base).get(DEQUANTIZED)
     return kept if kept is not None and kept.dtype == dtype else None
-
-
-def kept_group(bases: list[torch.nn.Module], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """The stacked copy of a group's weights (``bases`` in order) this speedup kept, or None."""
-    stack = vars(bases[0]).get(STACKED)
-    if stack is None or stack.dtype != dtype or any(vars(b).get(STACKED) is not stack for b in bases):
-        return None
-    return stack if stack.shape[0] == sum(b.out_features for b in bases) else None
 
 
 def _dequantized_bytes(base: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -99,20 +74,16 @@ def kept_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in kept if isinstance(t, torch.Tensor))
 
 
-def _bases(model: torch.nn.Module) -> list[list[torch.nn.Module]]:
-    """The 4-bit bases of the LoRA layers fused_lora runs, in model order, a group's (``lora_groups``) together."""
-    from .fused_lora import _is_linear4bit, _is_lora_linear, lora_groups, why_not_fusable
+def _bases(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The 4-bit bases of the LoRA layers fused_lora runs, in model order."""
+    from .fused_lora import _is_linear4bit, _is_lora_linear, why_not_fusable
 
-    grouped = {id(m): members for members in lora_groups(model) for m in members}
-    found, seen = [], set()
+    found = []
     for module in model.modules():
-        if id(module) in seen or not _is_lora_linear(module) or why_not_fusable(module) is not None:
-            continue
-        members = grouped.get(id(module), [module])
-        seen.update(id(m) for m in members)
-        bases = [m.get_base_layer() for m in members]
-        if _is_linear4bit(bases[0]):
-            found.append(bases)
+        if _is_lora_linear(module) and why_not_fusable(module) is None:
+            base = module.get_base_layer()
+            if _is_linear4bit(base):
+                found.append(base)
     return found
 
 
@@ -133,7 +104,7 @@ class DequantCache:
         self._reset()
 
     def _reset(self) -> None:
-        self._bases: list[list[torch.nn.Module]] = []  # one list per stacked buffer
+        self._bases: list[torch.nn.Module] = []
         self._device = torch.device("cpu")
         self._allocated_at_start = 0
         self.decided = False
@@ -152,7 +123,7 @@ class DequantCache:
         if not bases:
             self._say("none", "no 4-bit base weight under a fused LoRA layer; nothing to keep", logging.INFO)
             return False
-        device = bases[0][0].weight.device
+        device = bases[0].weight.device
         if self.mode == "auto" and memory_readings(device) is None:
             self._say("auto", f"off (model on {device.type}; 'auto' sizes by CUDA memory)", logging.INFO)
             return False
@@ -173,7 +144,7 @@ class DequantCache:
         if self.decided or index < PLAN_AT or not self._bases:
             return self.kept_bytes
         self.decided = True
-        need = sum(_dequantized_bytes(b, self._dtype(b)) for group in self._bases for b in group)
+        need = sum(_dequantized_bytes(b, self._dtype(b)) for b in self._bases)
         readings = memory_readings(self._device)
         if self.mode == "auto":
             if readings is None:
@@ -188,27 +159,12 @@ class DequantCache:
                           f"and {fmt_bytes(reserved)} planned for activations)", logging.INFO)
                 return 0
         with torch.no_grad():
-            for group in self._bases:
-                self._keep(group)
+            for base in self._bases:
+                self._ledger.set(base, DEQUANTIZED, dequantize(base, self._dtype(base)))
         self.kept_bytes = need
-        self._say("decide", f"{sum(map(len, self._bases))} frozen 4-bit weights kept dequantized ({fmt_bytes(need)}): no "
+        self._say("decide", f"{len(self._bases)} frozen 4-bit weights kept dequantized ({fmt_bytes(need)}): no "
                   "dequantization in the steps from now on", logging.INFO)
         return need
-
-
-    def _keep(self, bases: list[torch.nn.Module]) -> None:
-        if len(bases) == 1:
-            self._ledger.set(bases[0], DEQUANTIZED, dequantize(bases[0], self._dtype(bases[0])))
-            return
-        dtype = self._dtype(bases[0])
-        stack = torch.empty(sum(b.out_features for b in bases), bases[0].in_features, dtype=dtype,
-                            device=bases[0].weight.device)
-        row = 0
-        for base in bases:
-            rows = dequantize_into(base, stack[row:row + base.out_features])
-            self._ledger.set(base, DEQUANTIZED, rows)
-            self._ledger.set(base, STACKED, stack)
-            row += base.out_features
 
 
 def compute_dtype(args: Any) -> Optional[torch.dtype]:

@@ -71,7 +71,7 @@ LORA_R = 8
 
 EAGER: dict[str, Any] = dict(  # every speedup switch of FastSFTConfig off; ``attention_kernel`` must stay 'auto' then
     cached_packing=False, offload_checkpointing=False, offload_double_buffer=False, selective_checkpointing=False,
-    cuda_graphs=False, fast_moe_routing=False, fused_lora=False, lora_groups=False, fused_kernels=False, tiled_mlp=False,
+    cuda_graphs=False, fast_moe_routing=False, fused_lora=False, fused_kernels=False, tiled_mlp=False,
     sync_free_metrics=False, dequant_cache=False, expandable_segments=False,
 )
 FAST: dict[str, Any] = {}  # every switch at its default
