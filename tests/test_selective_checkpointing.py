@@ -331,3 +331,116 @@ def test_eager_attention_is_sized_as_tokens_squared(one_thread, monkeypatch):
         speedup.detach()
     assert needs["sdpa"] == pytest.approx([1] * LAYERS, rel=1e-6)
     assert needs["eager"] == pytest.approx([1000] * LAYERS, rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the second look: the plan's measured peak
+
+
+def _looked_run(model, speedup, steps: int, accumulation: int = 1):
+    """``steps`` micro-batches by hand, ``before_micro_batch`` called before each as the trainer does, the gradients
+    recorded after each (no optimizer: the weights stay, so every micro-batch must give the same loss)."""
+    ids = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(0))
+    batches = iter([dict(input_ids=ids, labels=ids)] * steps)
+    index = iter(range(1, steps + 1))
+
+    def forward(model, batch):
+        speedup.before_micro_batch(next(index))
+        return model(**batch).loss
+
+    return run_steps(model, batches, forward=forward)
+
+
+def two_looks(first: float, second: float, speedup: SelectiveCheckpointing, limit: int = 1 << 30,
+              reserved: int = 0):
+    """Fake readings: the first look's budget holds ``first`` layers of the measured size, the second's ``second``
+    (the same limit, a peak that leaves that room; nothing allocated between micro-batches)."""
+    looks = []
+
+    def readings(device):
+        per_token = max(speedup._saved[i] / speedup._tokens[i] for i in speedup._saved)
+        size = per_token * speedup.max_tokens
+        room = (first if not looks else second) * size / SHARE + 10
+        looks.append(room)
+        return limit, int(limit * (1 - MARGIN) - room - reserved), 0
+
+    return readings
+
+
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_the_second_look_keeps_more_layers_where_the_plan_left_room(one_thread, monkeypatch, accumulation):
+    """The plan keeps 1 layer; after the first optimizer step that ran with it, the measured peak leaves room for 2
+    more: 3 kept from then on, the losses and gradients bitwise those of plain checkpointing, and the looks come
+    exactly when the contract says (before micro-batch 2, and after the optimizer step that closed it)."""
+    plain = _steps(_model(), 8)
+    model = _model()
+    calls = count_attention_calls(model)
+    speedup = SelectiveCheckpointing(mode=True, max_tokens=64, accumulation=accumulation)
+    monkeypatch.setattr(selective, "memory_readings", two_looks(1.5, 2.5, speedup))
+    assert speedup.attach(model)
+    assert_same_run(_looked_run(model, speedup, 8), plain)
+    looked_at = 3 if accumulation == 1 else accumulation + 1  # the first micro-batch of the second optimizer step
+    assert speedup.kept == 3 and speedup.added == 2
+    assert [layer.gradient_checkpointing for layer in layers_of(model)] == [True, False, False, False]
+    # layer 0 recomputes every micro-batch; layers 1-2 until the second look; layer 3 from micro-batch 2 on
+    assert calls == [16, 8 + looked_at - 1, 8 + looked_at - 1, 9]
+    assert speedup.planned_bytes == pytest.approx(3 * max(speedup._need), rel=0.05)
+    speedup.detach()
+    assert [layer.gradient_checkpointing for layer in layers_of(model)] == [True] * LAYERS
+
+
+def test_the_second_look_scales_the_peak_to_the_longest_micro_batch(one_thread, monkeypatch):
+    """Step 1 saw 64 tokens, the config allows 256: the peak's part above what is held between micro-batches counts
+    4 times, so room that holds 2.5 layers unscaled holds none."""
+    model = _model()
+    speedup = SelectiveCheckpointing(mode=True, max_tokens=256)
+    limit = 1 << 30
+    state = {"look": 0}
+
+    def readings(device):
+        per_token = max(speedup._saved[i] / speedup._tokens[i] for i in speedup._saved)
+        size = per_token * speedup.max_tokens
+        state["look"] += 1
+        room = (1.5 if state["look"] == 1 else 2.5) * size / SHARE + 10
+        allocated = limit // 4  # held between micro-batches
+        return limit, int(limit * (1 - MARGIN) - room), allocated
+
+    monkeypatch.setattr(selective, "memory_readings", readings)
+    assert speedup.attach(model)
+    _looked_run(model, speedup, 4)
+    assert speedup.added == 0 and speedup.kept == 1
+
+
+def test_the_second_look_counts_reserved_memory_where_it_is_more(one_thread, monkeypatch):
+    """CUDA graphs' pools are reserved, not allocated: reserved memory above the peak leaves no room."""
+    model = _model()
+    speedup = SelectiveCheckpointing(mode=True, max_tokens=64)
+    monkeypatch.setattr(selective, "memory_readings", two_looks(1.5, 2.5, speedup))
+    monkeypatch.setattr(selective, "gpu_reserved", lambda device: int((1 << 30) * (1 - MARGIN)))
+    assert speedup.attach(model)
+    _looked_run(model, speedup, 4)
+    assert speedup.added == 0 and speedup.kept == 1
+
+
+def test_no_second_look_without_the_trainers_call_or_when_every_layer_is_kept(one_thread, monkeypatch):
+    model = _model()
+    speedup = SelectiveCheckpointing(mode=True, max_tokens=64)
+    monkeypatch.setattr(selective, "memory_readings", two_looks(1.5, 2.5, speedup))
+    assert speedup.attach(model)
+    _steps(model, 4)  # a hand-written loop: one decision, at a layer call
+    assert speedup.kept == 1 and speedup.added is None
+    speedup.detach()
+    speedup = SelectiveCheckpointing(mode=True, max_tokens=64)
+    monkeypatch.setattr(selective, "memory_readings", two_looks(9, 9, speedup))
+    assert speedup.attach(model)
+    _looked_run(model, speedup, 4)
+    assert speedup.kept == LAYERS and speedup.added is None  # nothing left to look for
+
+
+def test_the_trainer_passes_its_accumulation(tmp_path):
+    from nbkit.speedups import build
+
+    args = FastSFTConfig(output_dir=str(tmp_path), bf16=False, report_to=[], gradient_checkpointing=True,
+                         gradient_accumulation_steps=3, selective_checkpointing=True, max_length=128)
+    built = [s for s in build("train", args, packed_batches=True) if isinstance(s, SelectiveCheckpointing)]
+    assert len(built) == 1 and built[0].accumulation == 3 and built[0].max_tokens == 128 * args.per_device_train_batch_size

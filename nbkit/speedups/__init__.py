@@ -164,7 +164,8 @@ def _selective(args: Any, packed_batches: bool, dataset: Any = None) -> Optional
 
     # no max_length (padding-free rows without packing, where TRL refuses it): the dataset bounds a micro-batch
     bound = max_micro_batch_tokens(args) or dataset_micro_batch_tokens(args, dataset)
-    return SelectiveCheckpointing(mode=mode, max_tokens=bound)
+    accumulation = getattr(args, "gradient_accumulation_steps", 1) or 1
+    return SelectiveCheckpointing(mode=mode, max_tokens=bound, accumulation=accumulation)
 
 
 def _graphs(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:

@@ -22,6 +22,13 @@ How (each step):
   checkpoints a layer when that instance flag is set and it trains), through the ledger. The readings are the
   allocator's host-side counters and one driver query of the device's free memory (``memory_readings``): no host
   sync.
+- A second look, once, at the first micro-batch after an optimizer step that ran with the plan (``accumulation``:
+  the micro-batches of an optimizer step). The first budget was a prediction (``SHARE`` of what step 1 left, which
+  keeps a quarter back for what step 1 could not show); this one reads the peak the plan actually made, with the
+  optimizer state in it. The peak's part above the memory held between micro-batches is scaled to the longest
+  micro-batch (it was reached at the longest seen so far), the allocator's reserved memory counts where it is more
+  (CUDA graphs' pools), and the layers just before the kept ones that fit in ``SHARE`` of what is left of the limit
+  less ``MARGIN`` are un-checkpointed too. Only through the trainer's call; a hand-written loop gets one decision.
 
 Beside offloaded checkpointing: an un-checkpointed layer keeps its activations on the GPU and is not offloaded; the
 layers still checkpointed offload as before. Step 1's peak is the offloaded one, so on long rows, where offloading
@@ -38,7 +45,7 @@ Modes: True (engage wherever it can: also off CUDA, where there are no memory co
 is un-checkpointed; for tests), "auto" (a CUDA model). It does not attach without checkpointed layers; it does not
 engage when ``max_tokens`` is unknown (``max_length=None`` and no tokenized map-style dataset: FastSFT bounds it
 by batch size x the longest example otherwise, the padding-free unpacked recipe), said once. What it decided is
-said once, by name; ``engaged`` says whether any layer was un-checkpointed.
+said once, by name (each of the two looks); ``engaged`` says whether any layer was un-checkpointed.
 
 Contract: the same losses and gradients as plain checkpointing (the same forward, its saved tensors kept instead of
 recomputed); ``detach()`` puts every flag and checkpoint function back, and is safe twice.
@@ -52,7 +59,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 
-from ..memory import fmt_bytes, gpu_in_use, memory_readings
+from ..memory import fmt_bytes, gpu_in_use, gpu_reserved, memory_readings
 from ..model_parts import decoder_layers, unwrap_model
 from ..say_once import SayOnce
 from ..settings import check_value
@@ -131,6 +138,8 @@ class _Installed:
 
     def __call__(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
         owner = self.owner
+        if owner._look_again_pending:  # the second look scales the measured peak by the longest call seen
+            owner._longest = max(owner._longest, _tokens(args, function) or 0)
         if owner.kept is None:
             if self.index not in owner._tokens:  # step 1: checkpointed as asked, measured
                 owner._first_call(self.index, _tokens(args, function))
@@ -145,16 +154,17 @@ class SelectiveCheckpointing:
     """Leave the last decoder layers that fit in free GPU memory un-checkpointed, decided after the first step.
 
     ``max_tokens``: the most tokens one micro-batch can hold (batch size x max_length, or x the dataset's longest
-    example); None: unknown, stays off.
-    After the decision, ``kept`` is the number of layers un-checkpointed and ``per_token`` their measured saved
-    bytes per token, layer by layer.
+    example); None: unknown, stays off. ``accumulation``: micro-batches per optimizer step (the second look waits
+    for one optimizer step after the plan, so that the optimizer state is in the peak it reads).
+    After the decision, ``kept`` is the number of layers un-checkpointed (the second look adds to it; ``added`` says
+    how many it added) and ``per_token`` their measured saved bytes per token, layer by layer.
     """
 
     name = "selective_checkpointing"
 
-    def __init__(self, mode: Mode = "auto", max_tokens: Optional[int] = None) -> None:
+    def __init__(self, mode: Mode = "auto", max_tokens: Optional[int] = None, accumulation: int = 1) -> None:
         check_value("selective_checkpointing", mode)
-        self.mode, self.max_tokens = mode, max_tokens
+        self.mode, self.max_tokens, self.accumulation = mode, max_tokens, max(1, int(accumulation))
         self._ledger = PatchLedger(self.name)
         self._say = SayOnce(logger, "nbkit selective_checkpointing")
         self._reset()
@@ -169,8 +179,14 @@ class SelectiveCheckpointing:
         self._saved: dict[int, int] = {}
         self._allocated_at_start: Optional[int] = None
         self.kept: Optional[int] = None
+        self.added: Optional[int] = None  # by the second look; None until it looked
         self.per_token: list[float] = []
         self.planned_bytes = 0
+        self._need: list[int] = []
+        self._max_tokens_planned = 0
+        self._planned_at: Optional[int] = None  # the micro-batch before which the plan was made
+        self._look_again_pending = False
+        self._longest = 0
 
     @property
     def engaged(self) -> bool:
@@ -225,12 +241,20 @@ class SelectiveCheckpointing:
         at the longest micro-batch. Without the call the decision comes at the next layer call, as before."""
         if self.kept is None and index >= 2 and self._tokens and self._saved:
             self._decide()
+        if self.kept is not None and self._planned_at is None:
+            self._planned_at = index  # decided here, or at a layer call of the micro-batch before this one
+        if self._look_again_pending and self._planned_at is not None and index > self._planned_at:
+            # the first micro-batch after the optimizer step that closed the plan's first micro-batch
+            step_end = -(-self._planned_at // self.accumulation) * self.accumulation
+            if index > step_end:
+                self._look_again()
         return self.planned_bytes
 
     def _first_call(self, index: int, tokens: Optional[int]) -> None:
         if not self._tokens and self._device.type == "cuda":
             self._allocated_at_start = gpu_in_use(self._device)
         self._tokens[index] = tokens or 0
+        self._longest = max(self._longest, tokens or 0)
 
     def _decide(self) -> None:
         self.kept = 0
@@ -259,6 +283,8 @@ class SelectiveCheckpointing:
         self.planned_bytes = sum(need[len(need) - self.kept:]) if self.kept else 0
         for layer in self._layers[len(self._layers) - self.kept:]:
             self._ledger.set(layer, "gradient_checkpointing", False)
+        self._need, self._max_tokens_planned = need, tokens
+        self._look_again_pending = readings is not None and self.kept < len(self._layers)
         mean = sum(self.per_token) / len(self.per_token)
         self._say("decide", f"{self.kept} of {len(self._layers)} layers un-checkpointed (the last ones; the rest "
                   f"recompute as before): a layer saves {mean / 1024:.1f} KiB per token for backward, "
@@ -266,3 +292,26 @@ class SelectiveCheckpointing:
                   f"({'scaled as tokens squared: eager attention; ' if self._quadratic else ''}{sized})",
                   logging.INFO)
 
+    def _look_again(self) -> None:
+        """The second look: more of the layers before the kept ones, in ``SHARE`` of the room the plan's measured
+        peak left (see the module docstring)."""
+        self._look_again_pending, self.added = False, 0
+        readings = memory_readings(self._device)
+        if readings is None:
+            return
+        limit, peak, allocated = readings
+        scale = max(1.0, self._max_tokens_planned / self._longest) if self._longest else 1.0
+        projected = allocated + int(max(0, peak - allocated) * scale)
+        used = max(projected, gpu_reserved(self._device))
+        budget = max(0, int(SHARE * (limit * (1 - MARGIN) - used)))
+        checkpointed = len(self._layers) - self.kept
+        self.added = layers_to_keep(self._need[:checkpointed], budget)
+        newly = self._layers[checkpointed - self.added:checkpointed]
+        for layer in newly:
+            self._ledger.set(layer, "gradient_checkpointing", False)
+        self.kept += self.added
+        self.planned_bytes += sum(self._need[checkpointed - self.added:checkpointed])
+        self._say("again", f"second look, with the plan's peak measured: {self.added} more of {len(self._layers)} "
+                  f"layers un-checkpointed, {self.kept} in all ({fmt_bytes(budget)} to spend: {SHARE:.0%} of the "
+                  f"{fmt_bytes(limit)} limit less {MARGIN:.0%} and the {fmt_bytes(used)} the plan's peak comes to at "
+                  f"{self._max_tokens_planned} tokens, reserved memory counted where it is more)", logging.INFO)

@@ -188,3 +188,44 @@ def test_the_limit_counts_what_other_processes_hold():
     limit, peak, allocated = memory_readings(device)
     free, total = torch.cuda.mem_get_info(device)
     assert peak >= allocated and limit <= torch.cuda.memory_reserved(device) + free < total
+
+
+def test_the_second_look_trains_as_plain_checkpointing_on_a_4bit_base(tmp_path, monkeypatch):
+    """The readings faked so that the plan keeps 1 layer and the second look (before micro-batch 3) the other 3,
+    every other switch at its default (the dequantized weights kept; the call-counting hooks keep the layers out of
+    CUDA graphs): the same training as plain checkpointing."""
+    pytest.importorskip("bitsandbytes")
+    from nbkit.speedups import selective_checkpointing as selective
+
+    build = _four_bit(tmp_path / "base")
+    plain = _train(tmp_path, "plain", build, False)
+    again = _train(tmp_path, "again", build, False)
+    looks, built = [], []
+    real_init = selective.SelectiveCheckpointing.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        built.append(self)
+
+    def readings(device):
+        speedup = built[-1]
+        if not speedup._saved:  # attach's check that this is a CUDA model
+            return 1 << 40, 0, 0
+        size = max(speedup._saved[i] / speedup._tokens[i] for i in speedup._saved) * speedup.max_tokens
+        room = (1.5 if not looks else 10) * size / selective.SHARE
+        looks.append(room)
+        limit = 1 << 40
+        return limit, int(limit * (1 - selective.MARGIN) - room), 0
+
+    monkeypatch.setattr(selective.SelectiveCheckpointing, "__init__", init)
+    monkeypatch.setattr(selective, "memory_readings", readings)
+    fast = _train(tmp_path, "auto", build, "auto")
+    layers = SHAPE["num_hidden_layers"]
+    noise = max(max_relative(a, b) for a, b in zip(again[1], plain[1]))
+    err = max(max_relative(a, b) for a, b in zip(fast[1], plain[1]))
+    print(f"losses {plain[0]} vs {fast[0]}; LoRA gradients: plain vs plain {noise:.2e}, two looks vs plain "
+          f"{err:.2e}; attached {fast[3].nbkit_attached}")
+    assert len(looks) == 2 and built[-1].kept == layers and built[-1].added == layers - 1
+    assert fast[0] == pytest.approx(plain[0], rel=1e-2)
+    assert err <= max(2 * noise, 1e-2)
+    assert fast[2] == [2 + 2 + 1] * (layers - 1) + [2 + 1 + 1]  # recomputed until the look before micro-batch 3
