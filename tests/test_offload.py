@@ -582,3 +582,55 @@ def test_slightly_longer_rows_reuse_the_slots(gc_model):
         gc_model(input_ids=ids, labels=ids).loss.backward()
     assert oc.stats.host_allocs == LAYERS
     oc.detach()
+
+
+def test_idle_slots_of_mixed_sizes_are_taken_by_identity():
+    """Idle slots differ in size once fewer layers pack than before and rows grew: the pool takes the smallest that
+    fits, or replaces the largest, wherever it sits in the free list (comparing tensors by value raised there)."""
+    oc = OffloadedCheckpointing(mode=True)
+    pool = _Lane(oc, torch.device("cpu")).pool
+    small, large, medium = (pool.acquire(n) for n in (4096, 16384, 8192))
+    held = oc.stats.host_bytes
+    for slot in (large, small, medium):
+        pool.release(slot)
+    assert [s.numel() for s in pool.free] == [slot_bytes(16384), slot_bytes(4096), slot_bytes(8192)]
+    taken = pool.acquire(10000)  # fits medium and large: medium, the last in the list
+    assert taken is medium and [s.data_ptr() for s in pool.free] == [large.data_ptr(), small.data_ptr()]
+    assert pool.acquire(15000) is large and pool.acquire(100) is small and not pool.free
+    assert oc.stats.host_allocs == 3 and oc.stats.host_bytes == held  # every request served from the pool
+    for slot in (small, large, medium):
+        pool.release(slot)
+    grown = pool.acquire(30000)  # larger than every idle slot: the largest (in the middle) is replaced
+    assert grown.numel() == slot_bytes(30000) and oc.stats.host_allocs == 4
+    assert [s.data_ptr() for s in pool.free] == [small.data_ptr(), medium.data_ptr()]
+    assert oc.stats.host_bytes == held - large.numel() + grown.numel()
+    pool.close()
+
+
+def test_fewer_checkpointed_layers_and_longer_rows_keep_parity(gc_model):
+    """What selective_checkpointing does under offload on a smaller GPU: step 1 packs every layer, then the last two
+    layers are un-checkpointed and rows vary in length, so idle slots of two sizes sit in the pool. Bitwise the plain
+    checkpointed run's losses and gradients, each step's packs served from the pool once it holds a slot that fits."""
+    lengths = (64, 96, 80, 64, 96)
+    batches = [dict(input_ids=ids, labels=ids) for ids in
+               (torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths)]
+
+    def last_two_unchecked_after_step_1(model, batch, steps: list):
+        if steps:
+            for layer in model.model.layers[2:]:
+                layer.gradient_checkpointing = False
+        steps.append(1)
+        return model(**batch).loss
+
+    plain = tiny_qwen3()
+    plain.gradient_checkpointing_enable()
+    ref = run_steps(plain, batches, forward=functools.partial(last_two_unchecked_after_step_1, steps=[]))
+    oc = OffloadedCheckpointing(mode=True)
+    assert oc.attach(gc_model)
+    got = run_steps(gc_model, batches, forward=functools.partial(last_two_unchecked_after_step_1, steps=[]))
+    assert_same_run(got, ref)
+    assert oc.stats.packs == LAYERS + 2 * (len(lengths) - 1)
+    assert sorted(s.numel() for s in oc._lanes[torch.device("cpu")].pool.free) == \
+        sorted([slot_bytes(64 * 64 * 4)] * 2 + [slot_bytes(96 * 64 * 4)] * 2)
+    assert oc.stats.host_allocs == LAYERS + 2  # grown once, for the two layers still checkpointed
+    oc.detach()

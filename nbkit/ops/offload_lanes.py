@@ -134,13 +134,17 @@ class _HostPool:
         weakref.finalize(self, _unregister_all, self.registered, lane.side)
 
     def acquire(self, nbytes: int) -> Optional[torch.Tensor]:
-        fits = [s for s in self.free if s.numel() >= nbytes]
+        """The smallest idle slot that holds ``nbytes``, else a new one (replacing the largest idle slot); None when
+        the host budget or host memory is spent.
+
+        Slots are taken out of ``free`` by position: ``list.remove`` / ``list.index`` compare tensors by value, which
+        raises once idle slots differ in size (fewer layers checkpointed after step 1, rows longer than before)."""
+        sizes = [s.numel() for s in self.free]
+        fits = [i for i, size in enumerate(sizes) if size >= nbytes]
         if fits:
-            slot = min(fits, key=torch.Tensor.numel)
-            self.free.remove(slot)
-            return slot
+            return self.free.pop(min(fits, key=sizes.__getitem__))
         if self.free:  # larger inputs than before: replace an idle slot instead of adding one
-            self._free_memory(self.free.pop(self.free.index(max(self.free, key=torch.Tensor.numel))))
+            self._free_memory(self.free.pop(max(range(len(sizes)), key=sizes.__getitem__)))
         owner = self.lane.owner
         cap = owner.max_host_bytes
         if cap is not None and owner.stats.host_bytes + slot_bytes(nbytes) > cap:  # the user's host budget
