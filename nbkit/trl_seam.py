@@ -13,6 +13,9 @@ DataCollatorForLanguageModeling``), imported on first use: a library missing one
 the plain import would. Attribute and method names nbkit sets or overrides are listed only (the code names them).
 ``fingerprint`` / ``mirror_differs``: how a speedup that reproduces one library function tells that the installed
 release changed it (see ``nbkit.speedups.sync_free_loss``).
+
+Not here: torch's own private calls (``nbkit/ops`` sits below this layer, and each is guarded where it is made), and
+what a library documents as public though it lives in a submodule (``tests/test_trl_seam.py`` lists those it allows).
 """
 
 from __future__ import annotations
