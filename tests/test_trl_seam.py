@@ -245,3 +245,34 @@ def test_a_private_member_left_out_of_the_seam_is_caught(tmp_path):
                       "from transformers.trainer import _is_peft_model\n")
     assert _unlisted_deep_imports(MEMBERS, [source]) == ["user.py: transformers.trainer:_is_peft_model"]
     assert _unlisted_deep_imports([], [source])[0] == "user.py: trl.trainer.sft_trainer:DataCollatorForLanguageModeling"
+
+
+def test_a_changed_signature_fails_the_member_check(monkeypatch):
+    """Negative controls: a called method that takes other parameters, an overridden one with one more."""
+    from transformers import Trainer
+    from trl import SFTTrainer
+
+    def prepare(self, dataset, processing_class, args, formatting_func, dataset_name, packing=False):
+        raise AssertionError("never called")
+
+    def save(self, model, trial, metrics):
+        raise AssertionError("never called")
+
+    by_where = {m.where: m for m in MEMBERS}
+    monkeypatch.setattr(SFTTrainer, "_prepare_dataset", prepare)
+    with pytest.raises(AssertionError, match="_prepare_dataset"):
+        test_each_importable_member_is_there_with_nbkits_parameters(by_where[
+            "trl.trainer.sft_trainer:SFTTrainer._prepare_dataset"])
+    monkeypatch.setattr(Trainer, "_save_checkpoint", save)
+    with pytest.raises(AssertionError, match="_save_checkpoint"):
+        test_each_importable_member_is_there_with_nbkits_parameters(by_where["transformers.trainer:Trainer._save_checkpoint"])
+
+
+def test_the_fingerprint_ignores_layout_and_sees_code():
+    """Comments, blank lines, indentation and the docstring leave a fingerprint as it is; one changed token does not."""
+    from nbkit.trl_seam import source_fingerprint
+
+    plain = "def f(x):\n    y = x + 1\n    return y\n"
+    laid_out = '    def f(x):\n        """Adds one."""\n\n        # the sum\n        y = x + 1\n        return y\n'
+    assert source_fingerprint(plain) == source_fingerprint(laid_out)
+    assert source_fingerprint(plain) != source_fingerprint(plain.replace("+ 1", "+ 2"))
