@@ -74,9 +74,7 @@ class _Layer:
 def _dense(module: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``module``'s effective weight and bias as a dense ``dtype`` tensor: 4-bit/8-bit weights dequantized, active
     LoRA adapters that are not merged yet added in float32."""
-    from peft.tuners.lora import LoraLayer
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils.integrations import dequantize_module_weight
+    from .trl_seam import BaseTunerLayer, LoraLayer, dequantize_module_weight
 
     base, deltas = module, []
     if isinstance(module, BaseTunerLayer):

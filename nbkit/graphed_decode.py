@@ -36,11 +36,11 @@ from typing import Any, Callable
 
 import torch
 from transformers import AttentionInterface, DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .model_parts import unwrap_model
+from .trl_seam import ALL_MASK_ATTENTION_FUNCTIONS, DynamicLayer
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def parameter_signature(model: torch.nn.Module, versions: bool = False) -> tuple
     """What a decoder built from ``model`` depends on, in one walk over its modules: where every parameter lives
     (a captured step reads them there) and, with ``versions``, their in-place versions too (a copy of their values
     goes stale when an optimizer steps them in place); and each adapter layer's switches."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from .trl_seam import BaseTunerLayer
 
     params, flags = [], []
     for module in model.modules():

@@ -146,8 +146,9 @@ def keep_4bit_trainable(model: torch.nn.Module) -> int:
     attribute set is the one bitsandbytes itself reads (``support_avx512bf16_for_cpu``).
     """
     try:
-        from bitsandbytes import functional as bnb_functional
         from bitsandbytes.nn import Linear4bit
+
+        from .trl_seam import _convert_weight_packed_for_cpu_inverse
     except ImportError:
         return 0
     changed = 0
@@ -157,7 +158,7 @@ def keep_4bit_trainable(model: torch.nn.Module) -> int:
         state = getattr(module.weight, "quant_state", None)
         if state is not None and getattr(state, "packing_format_for_cpu", False):
             # private in bitsandbytes 0.50, but the only way back to the layout the backward needs
-            module.weight.data, module.weight.quant_state = bnb_functional._convert_weight_packed_for_cpu_inverse(
+            module.weight.data, module.weight.quant_state = _convert_weight_packed_for_cpu_inverse(
                 module.weight.data, state
             )
             changed += 1

@@ -30,7 +30,7 @@ def decoder_layer_class() -> Optional[type]:
     """transformers' ``GradientCheckpointingLayer`` (the base class of every decoder layer with a per-layer
     checkpointing flag); None on a transformers without it."""
     try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
+        from .trl_seam import GradientCheckpointingLayer
     except ImportError:
         return None
     return GradientCheckpointingLayer

@@ -23,7 +23,6 @@ from typing import Any, Iterator
 import torch
 from transformers import TrainerCallback
 from trl import SFTConfig, SFTTrainer
-from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from . import speedups
 from .chat import release_decoders
@@ -33,6 +32,7 @@ from .speedups.labelled_head import LABELLED_KEY
 from .speedups.ledger import Speedup
 from .speedups.packed_attention import PackedCollator
 from .switches import switch as _switch
+from .trl_seam import DataCollatorForLanguageModeling
 
 logger = logging.getLogger(__name__)
 

@@ -5,6 +5,8 @@
 #   NBKIT_PINNED=1 bash tests/run.sh    the versions in tests/constraints.txt (those of the GPU machine), in .venv-pinned
 #   NBKIT_PINNED=colab bash tests/run.sh  Colab's versions after nbkit's setup cell (tests/constraints-colab.txt), in
 #                                         .venv-colab
+#   NBKIT_PINNED=oldest bash tests/run.sh the oldest versions pyproject.toml allows (tests/constraints-oldest.txt), in
+#                                         .venv-oldest
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,7 +16,8 @@ case "${NBKIT_PINNED:-0}" in
   0) ;;
   1) venv=.venv-pinned constraints=tests/constraints.txt ;;
   colab) venv=.venv-colab constraints=tests/constraints-colab.txt ;;
-  *) echo "tests/run.sh: NBKIT_PINNED is 0, 1 or colab, not '$NBKIT_PINNED'" >&2; exit 2 ;;
+  oldest) venv=.venv-oldest constraints=tests/constraints-oldest.txt ;;
+  *) echo "tests/run.sh: NBKIT_PINNED is 0, 1, colab or oldest, not '$NBKIT_PINNED'" >&2; exit 2 ;;
 esac
 if [ -z "${VIRTUAL_ENV:-}" ] || [ -n "$constraints" ]; then
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BASE = {"nbkit.switches", "nbkit.settings", "nbkit.model_parts", "nbkit.say_once", "nbkit.compat"}
+BASE = {"nbkit.switches", "nbkit.settings", "nbkit.model_parts", "nbkit.say_once", "nbkit.compat", "nbkit.trl_seam"}
 
 
 def layer(module: str) -> int:

@@ -39,3 +39,28 @@ def test_total_flos_equal_trls_and_the_count_is_taken_once_per_run(tmp_path, one
 def test_each_train_call_counts_again(tmp_path, one_thread):
     flos, calls = _run(tmp_path, fast=True, steps=2, runs=2)
     assert calls == 2 and flos[0] > 0
+
+
+def test_another_transformers_release_keeps_its_own_count_and_says_so_once(tmp_path, one_thread, monkeypatch, caplog):
+    """A transformers whose ``Trainer.floating_point_ops`` differs from the mirrored one (simulated: another function
+    in its place): step_flops does not attach, that function counts after every micro-step, one warning names it."""
+    import logging
+
+    from transformers import Trainer
+
+    from nbkit.speedups import step_flops
+
+    original, calls = Trainer.floating_point_ops, []
+
+    def floating_point_ops(self, inputs):
+        calls.append(1)
+        return original(self, inputs)
+
+    monkeypatch.setattr(Trainer, "floating_point_ops", floating_point_ops)
+    monkeypatch.setattr(step_flops.SAY_ONCE, "_said", set())
+    with caplog.at_level(logging.WARNING, logger="nbkit.speedups.step_flops"):
+        (flos,), counts = _run(tmp_path, fast=True, steps=2)
+        _run(tmp_path / "again", fast=True, steps=2)
+    said = [r.getMessage() for r in caplog.records if "step_flops" in r.getMessage()]
+    assert len(said) == 1 and "Trainer.floating_point_ops differs" in said[0], said
+    assert len(calls) == 4 and counts >= 2 and flos > 0  # transformers' own count, after each micro-step

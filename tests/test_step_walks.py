@@ -115,3 +115,32 @@ def test_the_flat_train_leaves_what_module_train_leaves():
 
     model.model.layers[0].mlp.gate_proj = Frozen(4, 4)
     assert _flat_train(model) is None
+
+
+def test_another_transformers_release_keeps_its_own_clip_and_says_so_once(tmp_path, one_thread, monkeypatch, caplog):
+    """A transformers whose ``Trainer._clip_grad_norm`` differs from the mirrored ones (simulated: another function in
+    its place): that function clips every optimizer step, the numbers are transformers', one warning names it."""
+    import logging
+
+    from transformers import Trainer
+
+    from nbkit.speedups import step_walks
+
+    with pytest.MonkeyPatch.context() as mp:
+        _transformers_walks(mp)
+        ref, _, _ = _run(tmp_path, "ref")
+    original, calls = Trainer._clip_grad_norm, []
+
+    def clip_grad_norm(self, model):
+        calls.append(1)
+        return original(self, model)
+
+    monkeypatch.setattr(Trainer, "_clip_grad_norm", clip_grad_norm)
+    monkeypatch.setattr(step_walks.SAY_ONCE, "_said", set())
+    with caplog.at_level(logging.WARNING, logger="nbkit.speedups.step_walks"):
+        run, _, _ = _run(tmp_path, "other")
+        _run(tmp_path, "again", steps=1)
+    said = [r.getMessage() for r in caplog.records if "step_walks" in r.getMessage()]
+    assert len(said) == 1 and "Trainer._clip_grad_norm differs" in said[0], said
+    assert len(calls) == 3 + 1  # every optimizer step of both runs
+    assert_same_training(run, ref)

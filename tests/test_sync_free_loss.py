@@ -16,6 +16,8 @@ two-row batch, bitwise) and over whole runs (log history and trained weights, bi
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from parity import assert_same_tensors, fast_sft, train, trainable
@@ -98,6 +100,47 @@ def test_cases_it_does_not_mirror_take_trls_path(tmp_path):
     trainer.compute_loss_func = None
     trainer.args.sync_free_metrics = False
     assert not sync_free_loss.applies(trainer, return_outputs=False)
+
+
+def test_the_installed_trl_is_the_release_it_mirrors():
+    """The TRL code sync_free_metrics reproduces has the fingerprints recorded in ``MIRRORS``. A new TRL release
+    fails here: compare its compute_loss, log and add_fused_lm_head with this module, then record their fingerprints
+    (``nbkit.trl_seam.fingerprint``); until then FastSFT runs TRL's own loss on it."""
+    from nbkit.speedups import sync_free_loss
+    from nbkit.trl_seam import mirror_differs
+
+    assert mirror_differs(sync_free_loss.MIRRORS) == []
+
+
+def test_another_trl_release_takes_trls_own_loss_and_says_so_once(tmp_path, one_thread, monkeypatch, caplog):
+    """A TRL whose compute_loss differs from the mirrored one (simulated: another function in its place that counts
+    its calls): sync_free_metrics does not attach, TRL's compute_loss computes every loss, the log history is the
+    switch-off run's, and one warning, over two runs, names the speedup and what differs."""
+    from trl import SFTTrainer
+
+    from nbkit.speedups import sync_free_loss
+
+    plain = train(_trainer(tmp_path / "off", False))
+    original, calls = SFTTrainer.compute_loss, []
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        calls.append(self.state.global_step)
+        return original(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    monkeypatch.setattr(SFTTrainer, "compute_loss", compute_loss)
+    monkeypatch.setattr(sync_free_loss.SAY_ONCE, "_said", set())
+    with caplog.at_level(logging.WARNING, logger="nbkit.speedups.sync_free_loss"):
+        fallback = train(_trainer(tmp_path / "other", True))
+        assert "sync_free_metrics" not in fallback.trainer.nbkit_attached
+        assert len(calls) == 4  # max_steps micro-steps, all through TRL's compute_loss
+        assert _history(fallback.trainer) == _history(plain.trainer)
+        train(_trainer(tmp_path / "again", True))
+    said = [r.getMessage() for r in caplog.records if "sync_free_metrics" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "SFTTrainer.compute_loss" in said[0] and "TRL's own compute_loss is used" in said[0], said
+    assert "SFTTrainer.log" not in said[0]  # only what differs is named
+    monkeypatch.undo()
+    assert "sync_free_metrics" in train(_trainer(tmp_path / "back", True)).trainer.nbkit_attached  # the control
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ def _progress_callback_types() -> tuple[type, ...]:
 
     types: list[type] = [ProgressCallback]
     try:
-        from transformers.utils.notebook import NotebookProgressCallback
+        from ..trl_seam import NotebookProgressCallback
 
         types.append(NotebookProgressCallback)
     except Exception:

@@ -83,7 +83,7 @@ def pre_tokenizer_name(tokenizer: Any, spec: dict) -> tuple[str, str]:
     if len(splits) == 1 and kinds[-1] == "ByteLevel":
         pattern = (splits[0].get("pattern") or {}).get("Regex")
         try:
-            from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS as known
+            from ..trl_seam import GGUF_PRE_TOKENIZER_SPLITS as known
         except ImportError:
             known = {}
         names = [n for n, regex in known.items() if regex == pattern]

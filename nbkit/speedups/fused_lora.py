@@ -48,13 +48,13 @@ def _is_linear4bit(module: nn.Module) -> bool:
 def _is_lora_linear(module: nn.Module) -> bool:
     """PEFT's LoRA wrapper of a Linear (dense or bitsandbytes), not Embedding/Conv/ParamWrapper."""
     try:
-        from peft.tuners.lora.layer import Linear as LoraLinear
+        from ..trl_seam import LoraLinear
     except ImportError:
         return False
     if isinstance(module, LoraLinear):
         return True
     try:
-        from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+        from ..trl_seam import LoraLinear4bit
     except ImportError:
         return False
     return isinstance(module, LoraLinear4bit)

@@ -26,8 +26,9 @@ import inspect
 from typing import Any
 
 import torch
-from trl.kernels import ChunkedLogProbFunction
-from trl.trainer import utils as trl_utils
+
+from .. import trl_seam  # TRL's private names, read at each call (as TRL's own module would be)
+from ..trl_seam import ChunkedLogProbFunction, FusedCausalLMOutput, maybe_gather_lm_head_ctx
 
 LABELLED_KEY = "nbkit_labelled"  # the batch key the collator adds and the trainer hands to this head
 TRL_HEAD_SETTINGS = ("backbone_attr", "cast_lm_head_to_fp32", "final_logit_softcapping", "logit_scale", "outputs",
@@ -79,7 +80,7 @@ class LabelledHead:
         text_config = self.model.config.get_text_config()
         router = kwargs.get("output_router_logits", getattr(text_config, "output_router_logits", False))
         if nbkit_labelled is None or not fused_lm_head or labels is None or shift_labels is not None or router \
-                or not trl_utils._use_triton(labels.device):  # TRL scores every position there: no selection
+                or not trl_seam._use_triton(labels.device):  # TRL scores every position there: no selection
             for name, value in (("labels", labels), ("shift_labels", shift_labels),
                                 ("num_items_in_batch", num_items_in_batch)):
                 if value is not None:
@@ -99,10 +100,10 @@ class LabelledHead:
         labels = labels.to(head.weight.device)
         index = index.to(head.weight.device)
         targets = labels.reshape(-1).index_select(0, index + 1)  # position p predicts the token at p + 1
-        with trl_utils.maybe_gather_lm_head_ctx(head.weight, head.bias):
+        with maybe_gather_lm_head_ctx(head.weight, head.bias):
             per_token = ChunkedLogProbFunction.apply(
                 hidden.index_select(0, index), head.weight, head.bias, targets, s["temperature"],
-                trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE, s["final_logit_softcapping"], s["logit_scale"], s["outputs"])
+                trl_seam._CHUNKED_LOGPROB_CHUNK_SIZE, s["final_logit_softcapping"], s["logit_scale"], s["outputs"])
         mask = labels[:, 1:] != -100
 
         def spread(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -112,6 +113,6 @@ class LabelledHead:
 
         log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1 = (spread(x) for x in per_token)
         loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
-        return trl_utils.FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy,
+        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy,
                                              log_sum_sq_probs=log_sum_sq_probs, mean_logits=mean_logits,
                                              is_top1=is_top1, label_mask=mask, aux_loss=None)

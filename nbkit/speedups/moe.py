@@ -64,8 +64,7 @@ class _Plan:
 
 
 def _gate_kind(module: nn.Module) -> str:
-    from transformers.activations import SiLUActivation
-    from transformers.integrations.moe import _default_apply_gate
+    from ..trl_seam import SiLUActivation, _default_apply_gate
 
     gate_fn = getattr(type(module), "_apply_gate", None)
     if not module.has_gate:
@@ -73,7 +72,7 @@ def _gate_kind(module: nn.Module) -> str:
     if gate_fn is _default_apply_gate and isinstance(getattr(module, "act_fn", None), (SiLUActivation, nn.SiLU)):
         return "swiglu"
     try:
-        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+        from ..trl_seam import GptOssExperts
     except ImportError:  # pragma: no cover
         return "generic"
     if gate_fn is GptOssExperts._apply_gate and hasattr(module, "alpha") and hasattr(module, "limit"):
@@ -159,7 +158,7 @@ def nbkit_experts_forward(
 
 def register() -> None:
     """Register ``nbkit_experts_forward`` as ``"nbkit"`` with transformers' ``ExpertsInterface`` (idempotent)."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+    from ..trl_seam import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
     if ALL_EXPERTS_FUNCTIONS.get(IMPL_NAME) is not nbkit_experts_forward:
         ExpertsInterface.register(IMPL_NAME, nbkit_experts_forward)
@@ -202,7 +201,7 @@ class _LoraBypass:
 
 def _param_wrapper_cls():
     try:
-        from peft.tuners.lora.layer import ParamWrapper
+        from ..trl_seam import ParamWrapper
     except ImportError:
         return None
     return ParamWrapper

@@ -7,14 +7,24 @@ while training: host time in every step of a short, host-bound row.
 
 Contract: the same value as transformers' (``state.total_flos`` equal); the count is taken once per attach (one
 ``train()`` call), so adapters added between two runs are counted. Attached to the trainer (``stage="trainer"``):
-``floating_point_ops`` is set on the trainer instance through the ledger, the class's own is the fallback.
+``floating_point_ops`` is set on the trainer instance through the ledger, the class's own is the fallback. It
+reproduces transformers' ``Trainer.floating_point_ops`` (``MIRRORS``: its source fingerprint, the same in 5.15 to
+5.25); on a transformers whose code differs, nothing is attached, said once per process, by name.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from ..say_once import SayOnce
+from ..trl_seam import mirror_differs
 from .ledger import PatchLedger
+
+logger = logging.getLogger(__name__)
+
+MIRRORS = {"transformers.trainer:Trainer.floating_point_ops": frozenset({"deacad1a134ba25f"})}
+SAY_ONCE = SayOnce(logger, "nbkit: step_flops")
 
 
 class CachedFlops:
@@ -28,6 +38,12 @@ class CachedFlops:
 
     def attach(self, trainer: Any) -> bool:
         self.detach()
+        if mirror_differs(MIRRORS):
+            import transformers
+
+            SAY_ONCE("mirror", f"transformers {transformers.__version__}'s Trainer.floating_point_ops differs from "
+                     "the releases this reproduces; its own count is used")
+            return False
         own = trainer.floating_point_ops
 
         def floating_point_ops(inputs: dict[str, Any]) -> int:

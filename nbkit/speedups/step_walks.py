@@ -22,17 +22,29 @@ transformers' own path. Attached to the trainer (``stage="trainer"``) for a ``tr
 ``zero_grad`` and ``train`` are set on the trained model and ``_clip_grad_norm`` on the trainer (instance
 attributes, through the ledger; the classes' own are the fallback) and removed by ``detach``; modules added to the
 model during a run are not in the list (none is, by nbkit).
+
+The clip reproduces transformers' ``Trainer._clip_grad_norm``: ``CLIP_MIRRORS`` holds its source fingerprints
+(``trl_seam.fingerprint``) in the releases checked (5.15 to 5.25); on a transformers whose code differs the clip stays
+transformers' own (``zero_grad`` and ``train``, which reproduce torch's, stay), said once per process, by name.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
+from ..say_once import SayOnce
+from ..trl_seam import mirror_differs
 from .ledger import PatchLedger
 
+logger = logging.getLogger(__name__)
+
 _PLAIN_CLIP = ("NO", "MULTI_GPU", "MULTI_CPU")
+# transformers' Trainer._clip_grad_norm: 5.15-5.16 (no mixed-mesh branch), 5.17-5.25 (with it)
+CLIP_MIRRORS = {"transformers.trainer:Trainer._clip_grad_norm": frozenset({"3ad5ed1909e0bd39", "d22c80c34bf1881b"})}
+SAY_ONCE = SayOnce(logger, "nbkit: step_walks")
 
 
 class CachedTrainableWalks:
@@ -54,6 +66,12 @@ class CachedTrainableWalks:
         flat = _flat_train(model) if "train" not in vars(model) else None
         if flat is not None:
             self._ledger.set(model, "train", flat)
+        if mirror_differs(CLIP_MIRRORS):
+            import transformers
+
+            SAY_ONCE("clip", f"transformers {transformers.__version__}'s Trainer._clip_grad_norm differs from the "
+                     "releases this reproduces; its own gradient clip is used")
+            return True
         own_clip = trainer._clip_grad_norm
 
         def clip_grad_norm(model: torch.nn.Module) -> Any:

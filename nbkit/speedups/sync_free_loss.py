@@ -18,7 +18,10 @@ forward while attached, so the whole forward and backward queue without a read.
 
 Contract: the loss, its gradients and every logged value equal TRL's (tests/test_sync_free_loss.py compares the log
 histories of both; tests/gpu/test_sync_free_loss_gpu.py runs the step under ``torch.cuda.set_sync_debug_mode``).
-Any other case, or a TRL release other than the one this mirrors (``MIRRORS``), takes TRL's own ``compute_loss``.
+Any other case takes TRL's own ``compute_loss``. So does a TRL whose code differs from the release this mirrors:
+``MIRRORS`` holds the source fingerprints (``trl_seam.fingerprint``) of the TRL functions reproduced here, as TRL
+1.16.0 has them; where the installed ones differ, ``attach`` attaches nothing and says so, by name, once per process
+(the installed TRL does not change while it runs; every ``train()`` builds a new speedup object).
 
 As a speedup it is attached to the trainer (``stage="trainer"``) for a ``train()`` or ``evaluate()`` call: its
 ``compute_loss`` and ``log`` are set on the trainer instance through its ``PatchLedger`` (the trainer class's own
@@ -28,27 +31,39 @@ nothing it kept outlives the call.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
-import trl
 
 from ..model_parts import unwrap_model
+from ..say_once import SayOnce
 from ..switches import switch
+from ..trl_seam import mirror_differs
 from .labelled_head import LABELLED_KEY, LabelledHead
 from .ledger import PatchLedger
 
-MIRRORS = "1.16."  # the TRL release whose SFTTrainer.compute_loss default branch this reproduces
+logger = logging.getLogger(__name__)
+
+SAY_ONCE = SayOnce(logger, "nbkit: sync_free_metrics")  # the fallback to another TRL's code, said once per process
+
+# what this reproduces (compute_loss's default branch, the log that averages its metrics, the fused head's patch),
+# by source fingerprint, as TRL 1.16.0 has them
+MIRRORS = {
+    "trl.trainer.sft_trainer:SFTTrainer.compute_loss": frozenset({"6f040d8112032dfd"}),
+    "trl.trainer.sft_trainer:SFTTrainer.log": frozenset({"76c6db3f9f34acdd"}),
+    "trl.trainer.utils:add_fused_lm_head": frozenset({"c1b7a9c23e7ad579"}),
+}
 _METRICS_READ = ("entropy", "mean_token_accuracy", "aux_loss", "num_tokens")
 
 
 def applies(trainer: Any, return_outputs: bool) -> bool:
-    """Whether this run's loss takes the sync-free path (else TRL's own ``compute_loss``)."""
+    """Whether this run's loss takes the sync-free path (else TRL's own ``compute_loss``); the installed TRL's code
+    is checked against ``MIRRORS`` once, by ``attach``."""
     args = trainer.args
     parallel = getattr(trainer.accelerator, "parallelism_config", None)
     return (
         switch(args, "sync_free_metrics")
-        and trl.__version__.startswith(MIRRORS)
         and not return_outputs
         and getattr(trainer, "compute_loss_func", None) is None
         and getattr(trainer, "label_smoother", None) is None
@@ -71,6 +86,13 @@ class SyncFreeLoss:
     def attach(self, trainer: Any) -> bool:
         self.detach()
         if not applies(trainer, return_outputs=False):
+            return False
+        differs = mirror_differs(MIRRORS)
+        if differs:
+            import trl
+
+            SAY_ONCE(" ".join(differs), f"the installed TRL {trl.__version__} differs from the TRL 1.16.0 this speedup "
+                      f"reproduces ({', '.join(w.partition(':')[2] for w in differs)}); TRL's own compute_loss is used")
             return False
         own_loss, own_log = trainer.compute_loss, trainer.log  # the class's methods, bound: the fallback
 
