@@ -11,8 +11,9 @@ Contract of the helpers:
 - Building. ``tokenizer()`` is nbkit's demo tokenizer (a real byte-level BPE with a ChatML template whose assistant
   turns sit in ``{% generation %}`` marks), loaded fresh. ``tiny(family, tok)`` is a tiny randomly initialised model
   of a real architecture sized to the tokenizer: nbkit's demo families (``nbkit.demo.models``) and the conv/SSM
-  hybrids ``HYBRIDS`` (LFM2's short convolutions, Nemotron-H's and Falcon-H1's Mamba-2 mixers), run on
-  transformers' pure-torch paths on a CPU. ``dataset(fmt)`` builds a small dataset of a TRL format from the demo
+  hybrids ``HYBRIDS`` (LFM2's short convolutions, Nemotron-H's and Falcon-H1's Mamba-2 mixers, run on
+  transformers' pure-torch paths on a CPU) and the other families of TRL's tests (``MORE_FAMILIES``: OLMo 3,
+  Cohere 2, GPT-NeoX, GLM-4-MoE). ``dataset(fmt)`` builds a small dataset of a TRL format from the demo
   task: ``text``, ``prompt`` (prompt-completion), ``messages`` (conversational), ``conversational_prompt``
   (conversational prompt-completion) and ``tools`` (conversations with tool calls and a ``tools`` column, read with
   ``TOOLS_TEMPLATE``).
@@ -89,6 +90,19 @@ HYBRIDS: dict[str, dict[str, Any]] = {
                       mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_chunk_size=16),
 }
 
+MORE_FAMILIES: dict[str, dict[str, Any]] = {
+    **HYBRIDS,
+    # families TRL's tests train whose packed attention nbkit has not validated
+    "olmo3": dict(model_type="olmo3", intermediate_size=256, num_hidden_layers=2, sliding_window=16,
+                  layer_types=["sliding_attention", "full_attention"]),
+    "cohere2": dict(model_type="cohere2", intermediate_size=256, num_hidden_layers=2, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention"]),
+    "gpt_neox": dict(model_type="gpt_neox", intermediate_size=256, num_hidden_layers=2),
+    "glm4_moe": dict(model_type="glm4_moe", head_dim=32, intermediate_size=256, num_hidden_layers=2,
+                     moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+                     n_group=1, topk_group=1),
+}
+
 
 def tokenizer(chat_template: Optional[str] = "demo") -> Any:
     """A fresh copy of nbkit's demo tokenizer; ``chat_template``: ``"demo"`` (its own), ``"tools"``
@@ -104,14 +118,14 @@ def tokenizer(chat_template: Optional[str] = "demo") -> Any:
 
 
 def tiny(family: str, tok: Any, *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any):
-    """A tiny randomly initialised causal LM of ``family`` (a demo family or one of ``HYBRIDS``) for ``tok``'s
+    """A tiny randomly initialised causal LM of ``family`` (a demo family or one of ``MORE_FAMILIES``) for ``tok``'s
     vocabulary, pad and eos; the same ``seed`` gives the same weights (the global RNG is left as found)."""
     ids = {"pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id, "bos_token_id": None}
     if family in FAMILIES:
         return tiny_model(family, len(tok), seed=seed, dtype=dtype, **ids, **overrides)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = dict(HYBRIDS[family])
+    spec = dict(MORE_FAMILIES[family])
     config = AutoConfig.for_model(spec.pop("model_type"), **{**_SIZES, **spec, **ids, "vocab_size": len(tok),
                                                              **overrides})
     with torch.random.fork_rng(devices=[]):

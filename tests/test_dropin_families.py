@@ -1,5 +1,7 @@
-"""The drop-in contract across model families: dense (Qwen3, Llama), MoE (Qwen3-MoE), gpt-oss, and the hybrids with
-short-convolution or Mamba-2 mixers (LFM2, Nemotron-H, Falcon-H1) train under FastSFT as under SFTTrainer.
+"""The drop-in contract across model families: dense (Qwen3, Llama), MoE (Qwen3-MoE), gpt-oss, the hybrids with
+short-convolution or Mamba-2 mixers (LFM2, Nemotron-H, Falcon-H1), and families whose packed attention nbkit has not
+validated (OLMo 3, Cohere 2, GPT-NeoX, GLM-4-MoE: FastSFT must then be SFTTrainer exactly) train under FastSFT as
+under SFTTrainer.
 
 Each family is a tiny randomly initialised model of its real architecture (``dropin.tiny``); the hybrids run on
 transformers' pure-torch mixers on a CPU (no ``causal_conv1d`` or ``mamba_ssm``). Both trainers run TRL's defaults
@@ -17,8 +19,9 @@ from dropin import assert_same_outcome, assert_trains, both, dataset, tiny
 from parity import Tol
 
 MOE_TOL = Tol(rtol=1e-4, atol=1e-5)
-FAMILIES = ["qwen3", "llama", "qwen3_moe", "gpt_oss", "lfm2", "nemotron_h", "falcon_h1"]
-MOE = {"qwen3_moe", "gpt_oss", "nemotron_h"}
+FAMILIES = ["qwen3", "llama", "qwen3_moe", "gpt_oss", "lfm2", "nemotron_h", "falcon_h1", "olmo3", "cohere2", "gpt_neox",
+            "glm4_moe"]
+MOE = {"qwen3_moe", "gpt_oss", "nemotron_h", "glm4_moe"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
