@@ -25,7 +25,8 @@ Contract of the helpers:
   every trainable parameter changed while every frozen one stayed. ``assert_same_outcome(plain, fast)``: when TRL
   raised, FastSFT raised an exception of TRL's type (a subclass is allowed) at the same stage, naming what TRL's
   names; when TRL trained, FastSFT trained the same steps to the same losses (training and evaluation, within
-  ``LOSS_TOL``), with the same parameters trainable and the same ones changed. ``assert_same_batch`` compares two
+  ``LOSS_TOL``) and the same step metrics (``METRIC_TOLS``), with the same parameters trainable and the same ones
+  changed. ``assert_same_batch`` compares two
   collated batches: keys, types, shapes, dtypes and values.
 
 Precision: both configs get the same explicit ``bf16=False, fp16=False`` (fp32) unless a test says otherwise.
@@ -61,6 +62,10 @@ TOOLS_TEMPLATE = Path(__file__).resolve().parent / "fixtures" / "chatml_tools.ji
 """A ChatML template (ours) that renders a ``tools`` list and assistant ``tool_calls``, assistant turns marked."""
 
 LOSS_TOL = Tol(rtol=1e-5, atol=1e-6)
+METRIC_TOLS: dict[str, Tol] = {"num_tokens": Tol(), "entropy": Tol(rtol=1e-4, atol=1e-5),
+                               "mean_token_accuracy": Tol(atol=0.05)}
+"""TRL's step metrics: the token count exactly; the entropy as a loss (summed over the vocabulary: 1e-4); the
+accuracy within a few tokens' argmax flipping on near-ties of a random model's logits."""
 FP32: dict[str, Any] = {"bf16": False, "fp16": False}
 
 BASE: dict[str, Any] = dict(
@@ -286,6 +291,18 @@ def assert_same_error(plain: Outcome, fast: Outcome, *names: str) -> None:
         assert name in str(fast.error), f"FastSFT's message does not name {name!r}: {fast.error}"
 
 
+def assert_same_values(got: list[float], want: list[float], tol: Tol, what: str) -> None:
+    """Two logged series alike (``parity.assert_same_series``), where a non-finite value must be matched by the same
+    non-finite value (a diverging run logs NaN on both sides)."""
+    assert len(got) == len(want) > 0, f"{what}: {len(got)} values against {len(want)}: {got} / {want}"
+    odd = [i for i, w in enumerate(want) if not math.isfinite(w)]
+    assert odd == [i for i, g in enumerate(got) if not math.isfinite(g)] and \
+        all(str(got[i]) == str(want[i]) for i in odd), f"{what}: non-finite values differ: {got} / {want}"
+    if len(odd) < len(want):
+        assert_same_series([g for i, g in enumerate(got) if i not in odd], [w for i, w in enumerate(want) if i not in odd],
+                           tol, what)
+
+
 def assert_same_outcome(plain: Outcome, fast: Outcome, *, tol: Tol = LOSS_TOL, names: tuple[str, ...] = ()) -> None:
     """The same outcome (see the module docstring): the same error, or the same training within ``tol``."""
     if plain.error is not None:
@@ -293,10 +310,13 @@ def assert_same_outcome(plain: Outcome, fast: Outcome, *, tol: Tol = LOSS_TOL, n
         return
     assert fast.error is None, f"SFTTrainer trained, FastSFT did not: {fast.why()}"
     assert plain.trainer.state.global_step == fast.trainer.state.global_step
-    assert_same_series(fast.losses, plain.losses, tol, "loss")
+    assert_same_values(fast.losses, plain.losses, tol, "loss")
+    for key, key_tol in METRIC_TOLS.items():  # TRL's per-step metrics, logged beside the loss
+        if plain.series(key) or fast.series(key):
+            assert_same_values(fast.series(key), plain.series(key), key_tol, key)
     evals = plain.series("eval_loss")
     if evals or fast.series("eval_loss"):
-        assert_same_series(fast.series("eval_loss"), evals, tol, "eval_loss")
+        assert_same_values(fast.series("eval_loss"), evals, tol, "eval_loss")
     assert fast.trainable() == plain.trainable(), "not the same parameters trainable"
     assert fast.changed() == plain.changed(), (f"not the same parameters changed: only FastSFT's "
                                                f"{sorted(fast.changed() - plain.changed())[:4]}, only SFTTrainer's "

@@ -143,3 +143,49 @@ def test_chat_template_kwargs_column_applies_alike(tmp_path):
     assert rows == fast.trainer.train_dataset[:]["input_ids"]
     decoded = [plain.trainer.processing_class.decode(r) for r in rows[:2]]
     assert "<|im_start|>user" in decoded[0] and "<|im_start|>USER" in decoded[1], decoded
+
+
+def test_pretokenized_rows_train_alike(one_thread, tmp_path):
+    """A dataset of ``input_ids`` (TRL skips its tokenization and trains on them as they are)."""
+
+    def data():
+        tok = tokenizer()
+        return dataset("text").map(lambda row: {"input_ids": tok(row["text"])["input_ids"]}, remove_columns=["text"])
+
+    plain, fast = both(tmp_path, data=data, packing=True)
+    assert_trains(plain)
+    assert_same_outcome(plain, fast)
+
+
+def test_dataset_text_field_and_formatting_func_train_alike(one_thread, tmp_path):
+    """Text in another column (``dataset_text_field``), and text built from other columns (``formatting_func``)."""
+    rows = dataset("prompt")
+    plain, fast = both(tmp_path, data=lambda: rows.map(lambda r: {"body": r["prompt"] + r["completion"]},
+                                                       remove_columns=["prompt", "completion"]),
+                       dataset_text_field="body")
+    assert_trains(plain)
+    assert_same_outcome(plain, fast)
+    plain, fast = both(tmp_path / "formatted", data=lambda: rows.rename_columns({"prompt": "q", "completion": "a"}),
+                       extra=lambda tok: {"formatting_func": lambda r: r["q"] + r["a"]})
+    assert_trains(plain)
+    assert_same_outcome(plain, fast)
+
+
+def test_formatting_func_with_completion_only_loss_fails_alike(tmp_path):
+    plain, fast = both(tmp_path, data=lambda: dataset("prompt"), completion_only_loss=True, train=False,
+                       extra=lambda tok: {"formatting_func": lambda r: r["prompt"] + r["completion"]})
+    assert_same_outcome(plain, fast, names=("formatting",))
+
+
+def test_assistant_only_loss_with_an_unmarked_unknown_template_fails_alike(tmp_path):
+    """A chat template without ``{% generation %}`` marks that TRL has no marked copy of."""
+
+    def tok():
+        t = tokenizer()
+        t.chat_template = ("{%- for m in messages %}{{- '[' + m['role'] + '] ' + m['content'] + '<|im_end|>\\n' }}"
+                           "{%- endfor %}")
+        return t
+
+    plain, fast = both(tmp_path, data=lambda: dataset("messages"), tok=tok, assistant_only_loss=True, train=False)
+    assert plain.error is not None, "SFTTrainer accepted a template it cannot mark: the test expects its error"
+    assert_same_outcome(plain, fast)

@@ -265,3 +265,12 @@ def test_a_collated_batch_moves_to_a_device_and_feeds_the_model(one_thread, tmp_
         with torch.no_grad():
             losses.append(float(outcome.trainer.model(**moved).loss))
     assert_same_series(losses[1:], losses[:1], LOSS_TOL, "model(**batch).loss")
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["unpacked", "packed"])
+def test_gradient_accumulation_trains_to_the_same_losses(one_thread, tmp_path, packing):
+    """Two micro-batches per step: TRL normalises the loss by the tokens of the whole step."""
+    plain, fast = both(tmp_path, data=lambda: dataset("messages", n=32), gradient_accumulation_steps=2,
+                       per_device_train_batch_size=2, packing=packing, assistant_only_loss=True)
+    assert_trains(plain)
+    assert_same_outcome(plain, fast)
