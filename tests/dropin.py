@@ -233,11 +233,13 @@ def classes(kind: str) -> tuple[type, type]:
 def run(kind: str, out: Path, *, model: Callable[[Any], Any] = lambda tok: tiny("qwen3", tok),
         tok: Callable[[], Any] = tokenizer, data: Callable[[], Any] = dataset,
         extra: Optional[Callable[[Any], dict[str, Any]]] = None, train: bool = True, base: Optional[dict] = None,
-        **settings: Any) -> Outcome:
+        config_cls: Optional[type] = None, **settings: Any) -> Outcome:
     """One trainer of ``kind`` on a fresh setup: ``tok()``, ``model(tok)`` (a model, or a name), ``data()`` as the
     train dataset, ``extra(tok)`` as further trainer arguments (peft_config, eval_dataset, callbacks...), the config
-    ``base`` (default ``BASE``) updated by ``settings``; trained when ``train``."""
-    trainer_cls, config_cls = classes(kind)
+    (``config_cls``, default the kind's own) from ``base`` (default ``BASE``) updated by ``settings``; trained when
+    ``train``."""
+    trainer_cls, own_config = classes(kind)
+    config_cls = config_cls or own_config
     outcome = Outcome(kind)
     outcome.stage = "setup"
     try:

@@ -20,6 +20,7 @@ import pytest
 import torch
 from datasets import DatasetDict
 from dropin import (
+    BASE,
     LOSS_TOL,
     assert_documented,
     assert_same_batch,
@@ -272,5 +273,20 @@ def test_gradient_accumulation_trains_to_the_same_losses(one_thread, tmp_path, p
     """Two micro-batches per step: TRL normalises the loss by the tokens of the whole step."""
     plain, fast = both(tmp_path, data=lambda: dataset("messages", n=32), gradient_accumulation_steps=2,
                        per_device_train_batch_size=2, packing=packing, assistant_only_loss=True)
+    assert_trains(plain)
+    assert_same_outcome(plain, fast)
+
+
+@pytest.mark.parametrize("config", ["SFTConfig", "TrainingArguments"])
+def test_fastsft_takes_trls_own_config_classes(one_thread, tmp_path, config):
+    """``FastSFT(args=SFTConfig(...))`` or ``TrainingArguments`` (which SFTTrainer converts): the same run as
+    SFTTrainer's with the same object's settings."""
+    from transformers import TrainingArguments
+    from trl import SFTConfig
+
+    config_cls = SFTConfig if config == "SFTConfig" else TrainingArguments
+    base = {k: v for k, v in BASE.items() if k != "max_length"}  # not a TrainingArguments field
+    settings = {"packing": True, "max_length": 64} if config == "SFTConfig" else {}
+    plain, fast = both(tmp_path, config_cls=config_cls, base=base, **settings)
     assert_trains(plain)
     assert_same_outcome(plain, fast)
