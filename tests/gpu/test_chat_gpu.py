@@ -98,11 +98,11 @@ def test_graphed_tokens_equal_generate_on_a_4bit_base_with_lora(tok):
 
 
 def test_a_second_chat_reuses_the_capture_and_a_weight_update_is_seen(tok):
-    from nbkit.chat import _DECODER_ATTR, answer
+    from nbkit.chat import answer, decoders_of
 
     model = _lora(_model(tok, "qwen3", torch.bfloat16))
     first = answer(model, tok, PROMPTS[0], max_new_tokens=32, stream=False, exact=True)
-    decoder = model.__dict__[_DECODER_ATTR]
+    decoder = decoders_of(model).graphed
     answer(model, tok, PROMPTS[1], max_new_tokens=32, stream=False, exact=True)
     assert decoder.captures == 1
     with torch.no_grad():  # an optimizer step updates parameters in place: the graphs read them where they are
