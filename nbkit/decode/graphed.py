@@ -329,17 +329,17 @@ class GraphedDecoder:
         self.prepare(model, prompt_len + max_new)
         first = copy.deepcopy(config)
         first.max_new_tokens = 1
-        extra = {}
+        first.return_dict_in_generate = True
         if sampling:  # the prompt's logits through generate, the draw here (one generator for every token)
             first.do_sample = False
             for name in ("temperature", "top_p", "top_k", "min_p"):
                 setattr(first, name, None)
-            extra["output_logits"] = True
+            first.output_logits = True
             vocab = self._logits.shape[-1]
             if self._draws is None or self._draws.noise.shape[-1] != vocab:
                 self._draws = Draws(1, vocab, self._ids.device)
             self._draws.load(settings)
-        out = model.generate(input_ids=input_ids, generation_config=first, return_dict_in_generate=True, **extra)
+        out = model.generate(input_ids=input_ids, generation_config=first)
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         token = int(self._choose(out.logits[0], settings)) if sampling else int(out.sequences[0, -1])
         tokens = [token]

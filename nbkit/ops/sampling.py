@@ -11,7 +11,8 @@ min-p): ``logits`` (b, V) in any float dtype; the parameters are tensors (so a n
 ``temperature`` (1,) float > 0, ``top_k`` (1,) long (``V`` or more: off), ``top_p`` (1,) float (1.0: off),
 ``min_p`` (1,) float (0.0: off). ``sort=False`` skips top-k and top-p (their sort of the vocabulary) and must only
 be passed when both are off. A token a filter removes is never drawn; ties at the k-th value are kept (as
-``TopKLogitsWarper``); each filter keeps at least one token.
+``TopKLogitsWarper``); among tokens tied at top-p's boundary, which stay depends on the sort's order of ties, as
+in ``TopPLogitsWarper``; each filter keeps at least one token.
 """
 
 from __future__ import annotations
@@ -26,17 +27,16 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     """The float32 scores after temperature, top-k, top-p and min-p: removed tokens at ``-inf``."""
     scores = logits.float() / temperature
     if sort:
-        ranked, order = scores.sort(dim=-1, descending=True)
+        ranked, order = scores.sort(dim=-1)  # ascending, as TopPLogitsWarper sorts
+
         vocab = scores.shape[-1]
-        kth = ranked.gather(-1, (top_k.clamp(1, vocab) - 1).expand(scores.shape[0], 1))
+        kth = ranked.gather(-1, (vocab - top_k.clamp(1, vocab)).expand(scores.shape[0], 1))
         ranked = ranked.masked_fill(ranked < kth, float("-inf"))
-        # top-p as TopPLogitsWarper: the cumulative probability from the least likely token up; a token goes when
-        # the mass at and below it is at most 1 - top_p; the most likely token always stays
-        rising = ranked.flip(-1)
-        mass = rising.softmax(dim=-1).cumsum(dim=-1)
-        gone = mass <= (1 - top_p)
+        # top-p: the cumulative probability from the least likely token up; a token goes when the mass at and
+        # below it is at most 1 - top_p; the most likely token always stays
+        gone = ranked.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
         gone[..., -1] = False
-        ranked = ranked.masked_fill(gone.flip(-1), float("-inf"))
+        ranked = ranked.masked_fill(gone, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(-1, order, ranked)
     probs = scores.softmax(dim=-1)
     return scores.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
