@@ -30,6 +30,10 @@ Contract of ``GraphedLayer``:
 - One forward, then its backward. A second forward before the backward raises ``RuntimeError``: the graph keeps
   one forward's activations. Graphs of one pool must replay in the order they were captured. The caller captures
   all forwards in layer order, then all backwards in reverse.
+
+``Segments``: one capture cut into several graphs of one pool, for a step with parts that must run eagerly at each
+replay (the graphed decoder's attention over a length that grows every token). Every graph capture in nbkit goes
+through these backends, so the CPU tests drive each captured path on tapes.
 """
 
 from __future__ import annotations
