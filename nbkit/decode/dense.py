@@ -210,6 +210,8 @@ class DenseDecoder:
         """Record ``decode_step`` on ``state`` as one graph of the backend (after two warm-up steps)."""
         state.slot.zero_()  # the warm-up and the capture write at slots 0-2; generate sets every input afterwards
         state.pos.zero_()
+        if mode != "greedy":
+            state.sampling_draws()  # made here, on the caller's stream, before the warm-up's side stream
 
         def warm_up() -> None:
             for _ in range(2):

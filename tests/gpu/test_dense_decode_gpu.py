@@ -162,3 +162,39 @@ def test_generate_answers_fast_and_plain_agree_on_most_answers(tok):
 
     assert decoders_of(model).dense.captures == 1
     assert sum(a == b for a, b in zip(fast, plain)) >= len(questions) - 1, (fast, plain)
+
+
+def test_the_captured_sampling_step_is_the_eager_one_and_a_seed_repeats(tok):
+    """Sampling (``nbkit.ops.sampling`` inside the graph, the noise refilled before each replay): the captured step
+    draws the eager step's tokens for a seed (float32: the same kernels, the same noise), a seed repeats, and top-k 1
+    is greedy decoding."""
+    from nbkit.decode.config import GenerationSettings
+    from nbkit.decode.dense import DenseDecoder
+
+    model = _lora(_model(tok, "qwen3", torch.float32))
+    batch = _batch(tok, QUESTIONS)
+    args = (model, batch["input_ids"], _config(model, tok, 48), batch["attention_mask"])
+    graphed = DenseDecoder()
+    greedy = graphed.generate(*args)
+    for settings in (GenerationSettings(max_new_tokens=48, temperature=1.5, min_p=0.1, seed=0),
+                     GenerationSettings(max_new_tokens=48, temperature=0.8, top_p=0.9, top_k=40, seed=1)):
+        got = graphed.generate(*args, settings=settings)
+        assert got == DenseDecoder(graphs=False).generate(*args, settings=settings)
+        assert graphed.generate(*args, settings=settings) == got
+        assert got != greedy
+    one = GenerationSettings(max_new_tokens=48, temperature=1.0, top_k=1, seed=2)
+    assert graphed.generate(*args, settings=one) == greedy
+    assert graphed.captures == 3  # greedy, sampling, sampling with top-k/top-p: one graph each, one set of buffers
+
+
+def test_chat_samples_on_the_dense_path(tok):
+    from nbkit.chat import answer
+
+    model = _lora(_model(tok, "qwen3", torch.bfloat16))
+    pieces: list[str] = []
+    got = answer(model, tok, QUESTIONS[2], max_new_tokens=40, stream=pieces.append, temperature=1.5, min_p=0.1,
+                 seed=0)
+    assert got.path == "dense", got.reason
+    assert "".join(pieces) == got.text
+    again = answer(model, tok, QUESTIONS[2], max_new_tokens=40, stream=False, temperature=1.5, min_p=0.1, seed=0)
+    assert again.token_ids == got.token_ids
