@@ -27,6 +27,7 @@ from nbkit.decode.config import GenerationSettings, chat_config, greedy_config
 from nbkit.decode.dense import DenseDecoder
 from nbkit.decode.graphed import GraphedDecoder
 from nbkit.decode.plain import PlainDecoder
+from nbkit.decode.shared import Unsupported
 from nbkit.ops import sampling
 from nbkit.ops.layer_graphs import TapeBackend
 
@@ -177,3 +178,22 @@ def test_the_chooser_goes_dense_graphed_generate_and_keeps_decoders_beside_the_m
     del model, kept
     gc.collect()
     assert len(chooser._KEPT) == count - 1  # the decoders go with the model
+
+
+def test_a_sampling_step_that_cannot_be_captured_leaves_the_greedy_dense_path(tok, monkeypatch):
+    model = _model(tok)
+    kept = chooser.decoders_of(model)
+    kept.dense, kept.graphed = _paths(model).values()
+    real = DenseDecoder._capture
+
+    def capture(self, state, mode):
+        if mode != "greedy":
+            raise Unsupported("its dense step cannot be captured (a sort the backend refuses)")
+        return real(self, state, mode)
+
+    monkeypatch.setattr(DenseDecoder, "_capture", capture)
+    assert answer(model, tok, QUESTION, max_new_tokens=8, stream=False).path == "dense"
+    sampled = answer(model, tok, QUESTION, max_new_tokens=8, stream=False, temperature=1.5, top_p=0.9, seed=0)
+    assert sampled.path == "graphed" and "a sort the backend refuses" in sampled.reason
+    assert answer(model, tok, QUESTION, max_new_tokens=8, stream=False).path == "dense"
+    assert kept.dense.captures == 1 and kept.dense.weights is not None

@@ -116,6 +116,7 @@ class DenseDecoder:
         self._signature: tuple | None = None
         self._states: dict[int, tuple[_State, dict]] = {}  # batch -> (state, {mode: graph})
         self._failed: tuple[tuple, str] | None = None  # (signature, reason) of a copy or capture that failed
+        self._failed_modes: dict[str, tuple[tuple, str]] = {}  # a sampling step's failed capture, by mode
 
     def release(self) -> None:
         """Free the dense copy, buffers and graphs (they are rebuilt on the next call)."""
@@ -173,11 +174,19 @@ class DenseDecoder:
                 settings: GenerationSettings | None = None) -> _State:
         """The dense copy (made or kept) and a captured step for ``batch`` rows of ``total_len`` positions, choosing
         tokens as ``settings`` say (default greedy); raises ``Unsupported`` (and remembers why until the model
-        changes) when the copy or the capture fails."""
+        changes) when the copy or the capture fails. A sampling step that cannot be captured refuses sampling only
+        (the chooser then samples on the graphed path); the copy and the greedy steps stay."""
         signature = signature or signature_of(model)
+        mode = self._mode(settings)
+        failed = self._failed_modes.get(mode)
+        if failed is not None and failed[0] == signature:
+            raise Unsupported(failed[1])
         try:
-            return self._prepare(model, signature, batch, total_len, self._mode(settings))
+            return self._prepare(model, signature, batch, total_len, mode)
         except Unsupported as error:
+            if mode != "greedy" and self.weights is not None:  # greedy decoding keeps its copy and its steps
+                self._failed_modes[mode] = (signature, str(error))
+                raise
             self.release()
             self._failed = (signature, str(error))
             raise
