@@ -40,6 +40,12 @@ graph (~0.9 ms), plus reading the 3.4 GB of bf16 weights at ~4 TB/s (~0.85 ms): 
 batch 1 (the floor, 3.4 GB at 4.8 TB/s, is ~1,400 tok/s); at batch 32 the matmuls still read each weight once, so a
 step costs about the same: ~15,000 tok/s, against ``generate`` on the same batch host-bound at ~30 steps/s (~1,000).
 
+Prediction for sampling (written before its first run, ``--sample``: temperature 1.5, min_p 0.1): the dense step
+gains ~8 kernels over the vocabulary (151,936 logits: temperature, two softmaxes, the min-p cut, the race) inside its
+graph and one ``exponential_`` fill outside it, ~60-80 us on a ~1.9 ms step, so within 5% of greedy; top-p adds a
+sort of the vocabulary (~50 us more). The graphed path adds the same ops eagerly (~10 launches, ~100 us on a ~7.8 ms
+step); ``generate`` samples at about its greedy speed (host-bound either way).
+
     python -m benchmarks.chat                 # GPU
     python -m benchmarks.chat --sample        # GPU, sampling rows beside the greedy ones
     python -m benchmarks.chat --tiny          # CPU smoke run of the script (the fast path falls back there)
