@@ -6,8 +6,9 @@ stand-in for CUDA graphs: the recorded ops replayed on the recorded tensors, Pyt
 - The dense path's captured step is its eager step: the same greedy tokens (and ``generate``'s), and with the same
   seed the same sampled tokens.
 - Sampling reads the step's own logits: ``top_k=1`` (and ``min_p=1``) sampling is greedy decoding on every path;
-  every drawn first token is one the filters keep, and the draws vary; a seed repeats its tokens, another seed
-  does not.
+  every drawn first token is one the filters keep, and the draws vary; over 300 seeds the first tokens' frequencies
+  are the filtered softmax's probabilities (5 standard errors + 0.01); a seed repeats its tokens, another seed does
+  not. A sampling step that cannot be captured leaves greedy decoding on the dense path.
 - The plain path's sampled tokens are ``generate``'s own for that seed, and torch's global random state is as it was.
 - The chooser takes dense, then graphed, then ``generate``; the decoders live beside the model (not in its
   ``__dict__``, not in a copy of it), go when it goes, and ``release_decoders`` frees both fast paths.
@@ -197,3 +198,25 @@ def test_a_sampling_step_that_cannot_be_captured_leaves_the_greedy_dense_path(to
     assert sampled.path == "graphed" and "a sort the backend refuses" in sampled.reason
     assert answer(model, tok, QUESTION, max_new_tokens=8, stream=False).path == "dense"
     assert kept.dense.captures == 1 and kept.dense.weights is not None
+
+
+def test_first_tokens_follow_the_filtered_softmax_of_the_prompt(tok):
+    """300 seeds, one token each, on both fast paths: each token's frequency is within 5 standard errors (plus 0.01)
+    of its probability after temperature and min-p, and no filtered token is drawn."""
+    model, ids = _model(tok), _ids(tok)
+    with torch.no_grad():
+        last = model(input_ids=ids).logits[0, -1]
+    settings = GenerationSettings(max_new_tokens=1, temperature=0.1, min_p=0.1)
+    probs = sampling.filter_logits(last[None], sort=False, **settings.sampling_tensors(torch.device("cpu"))
+                                   ).softmax(-1)[0].double()
+    assert 4 <= int((probs > 0).sum()) <= 40  # a few tokens kept, none dominant
+    n = 300
+    for path, decoder in _paths(model).items():
+        counts = torch.zeros_like(probs)
+        for seed in range(n):
+            one = GenerationSettings(max_new_tokens=1, temperature=0.1, min_p=0.1, seed=seed)
+            counts[_run(path, decoder, model, ids, chat_config(model, tok, one), one)[0]] += 1
+        freq = counts / n
+        assert (freq[probs == 0] == 0).all(), path
+        se = (probs * (1 - probs) / n).sqrt()
+        assert ((freq - probs).abs() <= 5 * se + 0.01).all(), (path, freq[probs > 0], probs[probs > 0])
