@@ -8,15 +8,19 @@ after ``FastSFT.train()``.
 
 Paths, on the same model and prompt:
 - ``generate``: ``model.generate(input_ids, generation_config=...)``, greedy, transformers' default cache;
-- ``graphed``: ``nbkit.graphed_decode.GraphedDecoder.generate`` with the same generation config (prompt through
+- ``graphed``: ``nbkit.decode.graphed.GraphedDecoder.generate`` with the same generation config (prompt through
   ``generate``, then the model's own step replayed from CUDA graphs): ``chat(exact=True)``'s path;
-- ``dense``: ``nbkit.dense_decode.DenseDecoder.generate``: a dense copy of the weights (NF4 dequantized, LoRA merged,
+- ``dense``: ``nbkit.decode.dense.DenseDecoder.generate``: a dense copy of the weights (NF4 dequantized, LoRA merged,
   projections fused), the prompt through it at once, then one CUDA graph a step (Triton kernels for the small ops on
   a GPU): ``chat``'s default path when memory allows.
 Batched (``--batch N``, 0 to skip): N chat prompts of different lengths, left-padded, ``model.generate`` on the
 batch vs ``DenseDecoder.generate`` on the batch (``generate_answers``' two paths), tokens/s = all new tokens / s.
 Stopping is switched off everywhere (``eos_token_id=None``) so every timed call makes exactly ``--new-tokens`` tokens
 a row.
+Sampling (``--sample``): each batch-1 path again with ``GenerationSettings(temperature, min_p, top_p, top_k,
+seed=0)`` (default Unsloth's ``temperature=1.5, min_p=0.1``), rows marked ``mode=sample``: ``generate`` with
+``do_sample=True`` under the seed, the fast paths drawing on the device. Their tokens are draws, so ``identical``
+and the audit do not apply; a repeat with the same seed must give the same tokens (``repeats differ``).
 
 Same tokens: ``identical``/``first_mismatch`` compare with ``generate``'s ids; ``audit`` holds each path's tokens to
 the model's own logits, teacher-forced on them (one forward of prompt + tokens): ``not_argmax`` counts the steps whose
@@ -36,7 +40,14 @@ graph (~0.9 ms), plus reading the 3.4 GB of bf16 weights at ~4 TB/s (~0.85 ms): 
 batch 1 (the floor, 3.4 GB at 4.8 TB/s, is ~1,400 tok/s); at batch 32 the matmuls still read each weight once, so a
 step costs about the same: ~15,000 tok/s, against ``generate`` on the same batch host-bound at ~30 steps/s (~1,000).
 
+Prediction for sampling (written before its first run, ``--sample``: temperature 1.5, min_p 0.1): the dense step
+gains ~8 kernels over the vocabulary (151,936 logits: temperature, two softmaxes, the min-p cut, the race) inside its
+graph and one ``exponential_`` fill outside it, ~60-80 us on a ~1.9 ms step, so within 5% of greedy; top-p adds a
+sort of the vocabulary (~50 us more). The graphed path adds the same ops eagerly (~10 launches, ~100 us on a ~7.8 ms
+step); ``generate`` samples at about its greedy speed (host-bound either way).
+
     python -m benchmarks.chat                 # GPU
+    python -m benchmarks.chat --sample        # GPU, sampling rows beside the greedy ones
     python -m benchmarks.chat --tiny          # CPU smoke run of the script (the fast path falls back there)
 """
 
@@ -51,10 +62,13 @@ from typing import Any
 
 import torch
 
-from nbkit.chat import greedy_config, prompt_ids
+from nbkit.chat import prompt_ids
+from nbkit.decode.config import GenerationSettings, chat_config
+from nbkit.decode.dense import DenseDecoder
+from nbkit.decode.graphed import GraphedDecoder
+from nbkit.decode.plain import PlainDecoder
+from nbkit.decode.shared import Unsupported
 from nbkit.demo.tokenizer import load_demo_tokenizer
-from nbkit.dense_decode import DenseDecoder
-from nbkit.graphed_decode import GraphedDecoder, Unsupported
 
 from .common import write_results
 from .e2e import LORA_TARGETS, load_base, save_random_model
@@ -123,29 +137,31 @@ def _flat(tokens: Any) -> list[int]:
 
 
 def run_model(label: str, model: torch.nn.Module, tokenizer: Any, args: argparse.Namespace,
-              batch: Any = None) -> list[dict]:
-    """Batch 1 (``batch`` None) or a left-padded ``batch``: each path timed, its tokens compared and audited."""
+              batch: Any = None, settings: GenerationSettings | None = None) -> list[dict]:
+    """Batch 1 (``batch`` None) or a left-padded ``batch``: each path timed, its tokens compared and audited;
+    ``settings``: sample instead of greedy decoding."""
     device = next(model.parameters()).device
     if batch is None:
         ids = prompt_ids(tokenizer, [{"role": "user", "content": PROMPT}], device)
         mask = torch.ones_like(ids)
     else:
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-    config = greedy_config(model, tokenizer, args.new_tokens)
+    sample = settings is not None and settings.sampling
+    settings = settings or GenerationSettings(max_new_tokens=args.new_tokens)
+    config = chat_config(model, tokenizer, settings)
     config.eos_token_id = None  # every call makes exactly new_tokens tokens
-    graphed, dense = GraphedDecoder(), DenseDecoder()
+    graphed, dense, plain_decoder = GraphedDecoder(), DenseDecoder(), PlainDecoder()
 
     def plain() -> list[list[int]]:
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=copy.deepcopy(config))
-        return out[:, ids.shape[1]:].tolist()
+        return plain_decoder.generate(model, ids, copy.deepcopy(config), mask, settings=settings)
 
-    paths = {"generate": plain, "dense": lambda: dense.generate(model, ids, config, mask)}
+    paths = {"generate": plain, "dense": lambda: dense.generate(model, ids, config, mask, settings=settings)}
     if batch is None:
-        paths["graphed"] = lambda: [graphed.generate(model, ids, config)]
+        paths["graphed"] = lambda: [graphed.generate(model, ids, config, settings=settings)]
     rows, reference = [], None
     for path, fn in paths.items():
         row: dict[str, Any] = {"model": label, "path": path, "batch": ids.shape[0], "prompt_tokens": ids.shape[1],
-                               "new_tokens": args.new_tokens}
+                               "new_tokens": args.new_tokens, "mode": "sample" if sample else "greedy"}
         try:
             first_s, times, tokens, drift = _timed_path(fn, args)
         except Unsupported as error:
@@ -156,10 +172,11 @@ def run_model(label: str, model: torch.nn.Module, tokenizer: Any, args: argparse
         median = statistics.median(times)
         made = sum(len(r) for r in tokens)
         row.update(first_call_s=first_s, s_median=median, s_min=min(times), s_max=max(times), seconds=times,
-                   tok_per_s=made / median, generated=made, token_ids=tokens, audit=audit(model, ids, mask, tokens))
+                   tok_per_s=made / median, generated=made, token_ids=tokens,
+                   audit=None if sample else audit(model, ids, mask, tokens))
         if path == "generate":
             reference = tokens
-        else:
+        elif not sample:
             row["identical"] = tokens == reference
             row["first_mismatch"] = [_first_mismatch(a, b) for a, b in zip(tokens, reference)]
         if path == "graphed":
@@ -179,7 +196,7 @@ def dense_phases(decoder: DenseDecoder, model: torch.nn.Module, ids: torch.Tenso
     """Where one ``DenseDecoder.generate`` call's time goes (median of ``calls`` calls, milliseconds): the signature
     walk, ``check``, ``prepare``, ``prefill`` (each timed with a sync before and after) and the rest (the replayed
     steps, the token reads). The wrappers are this benchmark's own; the decoder runs as it is."""
-    import nbkit.dense_decode as dense_module
+    import nbkit.decode.dense as dense_module
 
     spent: dict[str, float] = {}
 
@@ -230,22 +247,24 @@ def batch_of(tokenizer: Any, n: int) -> Any:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | batch | path | tok/s (median) | s per call (min-max) | speedup | first call s | "
+    lines = ["| model | batch | mode | path | tok/s (median) | s per call (min-max) | speedup | first call s | "
              "identical ids (first differing token) | not the model's argmax (max gap) | repeats differ from token |",
-             "|" + "---|" * 10]
-    base = {(r["model"], r["batch"]): r for r in rows if r["path"] == "generate" and "error" not in r}
+             "|" + "---|" * 11]
+    base = {(r["model"], r["batch"], r.get("mode")): r for r in rows if r["path"] == "generate" and "error" not in r}
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['batch']} | {r['path']} | {r['error'][:90]} |" + " |" * 6)
+            lines.append(f"| {r['model']} | {r['batch']} | {r.get('mode')} | {r['path']} | {r['error'][:90]} |"
+                         + " |" * 6)
             continue
-        ref = base.get((r["model"], r["batch"]))
+        ref = base.get((r["model"], r["batch"], r.get("mode")))
         speed = f"{r['tok_per_s'] / ref['tok_per_s']:.2f}x" if ref else "-"
         first = [m for m in r.get("first_mismatch") or [] if m is not None]
         same = {True: "yes", False: f"no (from {min(first) if first else '-'})"}.get(r.get("identical"), "-")
         a = r["audit"]
-        lines.append(f"| {r['model']} | {r['batch']} | {r['path']} | {r['tok_per_s']:,.1f} | {r['s_median']:.3f} "
-                     f"({r['s_min']:.3f}-{r['s_max']:.3f}) | {speed} | {r['first_call_s']:.2f} | {same} | "
-                     f"{a['not_argmax']} of {a['steps']} ({a['max_gap']:.4f}) | "
+        audited = f"{a['not_argmax']} of {a['steps']} ({a['max_gap']:.4f})" if a else "-"
+        lines.append(f"| {r['model']} | {r['batch']} | {r.get('mode')} | {r['path']} | {r['tok_per_s']:,.1f} | "
+                     f"{r['s_median']:.3f} ({r['s_min']:.3f}-{r['s_max']:.3f}) | {speed} | {r['first_call_s']:.2f} | "
+                     f"{same} | {audited} | "
                      f"{', '.join('-' if d is None else str(d) for d in r['repeat_first_mismatch'])} |")
     return "\n".join(lines)
 
@@ -260,6 +279,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-base", action="store_true", help="only the base with LoRA")
     parser.add_argument("--batch", type=int, default=32, help="prompts in the batched run (0: none)")
     parser.add_argument("--phases", action="store_true", help="also time the dense path's phases (see dense_phases)")
+    parser.add_argument("--sample", action="store_true", help="also each batch-1 path sampling (see the docstring)")
+    parser.add_argument("--temperature", type=float, default=1.5)
+    parser.add_argument("--min-p", type=float, default=0.1)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU: checks the script runs")
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() or args.tiny):
@@ -276,12 +300,18 @@ def main(argv: list[str] | None = None) -> None:
         label = "nf4+lora16" if not args.tiny else "tiny-fp32+lora16"
         model = with_lora(base)
         rows += run_model(label, model, tokenizer, args)
+        if args.sample:
+            rows += run_model(label, model, tokenizer, args, settings=GenerationSettings(
+                max_new_tokens=args.new_tokens, temperature=args.temperature, min_p=args.min_p, top_p=args.top_p,
+                top_k=args.top_k, seed=0, do_sample=True))
         if args.batch:
             rows += run_model(label, model, tokenizer, args, batch=batch_of(tokenizer, args.batch))
     text = table(rows)
     notes = "CPU smoke run: the figures mean nothing" if args.tiny else ""
     write_results("chat", {"load_s": load_s, "rows": rows}, notes, argv=argv, name=f"chat_{shape}")
-    print(f"\n{shape}, {args.new_tokens} new tokens a row, greedy\n{text}\n", flush=True)
+    mode = "greedy" + (f" and sampling (temperature {args.temperature}, min_p {args.min_p}, top_p {args.top_p}, "
+                       f"top_k {args.top_k})" if args.sample else "")
+    print(f"\n{shape}, {args.new_tokens} new tokens a row, {mode}\n{text}\n", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Where a dense decode step's time goes, and what each of its kernels buys: ``nbkit.dense_decode``'s captured step
+"""Where a dense decode step's time goes, and what each of its kernels buys: ``nbkit.decode.dense``'s captured step
 on the 1.7B Qwen3 shape (NF4 + LoRA r16 made dense), batch 1 and 32.
 
 For each variant of the step, the same captured-graph timing: CUDA events around 256 replays after 16 warm-up
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-import nbkit.dense_decode as dense
+import nbkit.decode.dense as dense
 import nbkit.ops.decode_kernels as kernels
 from nbkit.chat import greedy_config, prompt_ids
 from nbkit.demo.tokenizer import load_demo_tokenizer
@@ -47,7 +47,7 @@ def profile_eager(decoder: dense.DenseDecoder, batch: int) -> dict:
 
 
 def time_replays(decoder: dense.DenseDecoder, batch: int) -> list[float]:
-    state, graph = decoder._states[batch]
+    state, graph = decoder._states[batch][0], decoder._states[batch][1]["greedy"]
     runs = []
     for _ in range(5):
         state.slot.fill_(40)

@@ -132,3 +132,22 @@ def test_the_real_model_answers_and_stops_at_end_of_turn(smollm2_dir):
     assert got.token_ids[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>") and len(got.token_ids) < 48
     assert "Paris" in got.text
     assert got.token_ids == _generate(model, tokenizer, "What is the capital of France?", 48)
+
+
+def test_unsloth_style_sampling_is_generates_own_draws_for_the_seed(tok, one_thread):
+    """``chat(..., temperature=1.5, min_p=0.1, seed=...)``, as Unsloth's notebooks sample: on a CPU it is
+    ``generate``'s sampling under ``torch.manual_seed(seed)`` (top-k off), streamed, and it repeats for the seed."""
+    model = _lora(_tiny(tok))
+    pieces: list[str] = []
+    got = answer(model, tok, QUESTION, max_new_tokens=24, stream=pieces.append, temperature=1.5, min_p=0.1, seed=7)
+    assert got.path == "generate" and "".join(pieces) == got.text
+    ids = prompt_ids(tok, [{"role": "user", "content": QUESTION}], torch.device("cpu"))
+    config = greedy_config(model, tok, 24)
+    torch.manual_seed(7)
+    want = model.generate(input_ids=ids, generation_config=config, do_sample=True, temperature=1.5, min_p=0.1,
+                          top_k=0)[0, ids.shape[1]:].tolist()
+    assert got.token_ids == want != _generate(model, tok, QUESTION, 24)
+    assert answer(model, tok, QUESTION, max_new_tokens=24, stream=False, temperature=1.5, min_p=0.1,
+                  seed=7).token_ids == want
+    assert answer(model, tok, QUESTION, max_new_tokens=24, stream=False, temperature=1.5, min_p=0.1, seed=7,
+                  do_sample=False).token_ids == _generate(model, tok, QUESTION, 24)

@@ -19,7 +19,7 @@ import textwrap
 import pytest
 import torch
 
-from nbkit.dense_decode import DenseDecoder
+from nbkit.decode.dense import DenseDecoder
 from nbkit.ops import decode_kernels as K
 
 _SCRIPT = textwrap.dedent(
@@ -66,7 +66,7 @@ _SCRIPT = textwrap.dedent(
     from nbkit.chat import greedy_config, prompt_ids
     from nbkit.demo.models import tiny_model
     from nbkit.demo.tokenizer import load_demo_tokenizer
-    from nbkit.dense_decode import DenseDecoder
+    from nbkit.decode.dense import DenseDecoder
     from peft import LoraConfig, get_peft_model
 
     tok = load_demo_tokenizer()

@@ -1,4 +1,4 @@
-"""``nbkit.dense_decode`` on a CPU, its step run eagerly (``graphs=False``): the arithmetic the GPU captures.
+"""``nbkit.decode.dense`` on a CPU, its step run eagerly (``graphs=False``): the arithmetic the GPU captures.
 
 In float32 the dense step (merged adapters, fused projections, rotary as a matmul, attention over masked buffers)
 must give ``generate``'s greedy tokens exactly and its logits to 1e-4, for single prompts and left-padded batches, on
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nbkit.chat import answer, dense_decoder, greedy_config, prompt_ids, release_decoders
-from nbkit.dense_decode import DenseDecoder
+from nbkit.chat import answer, decoders_of, dense_decoder, greedy_config, prompt_ids, release_decoders
+from nbkit.decode.dense import DenseDecoder
 from nbkit.generation import generate_answers
 
 pytest_plugins = ["conftest_real_model"]
@@ -165,7 +165,7 @@ def test_what_it_cannot_take_is_refused_with_a_reason(tok, one_thread, monkeypat
     decoder = DenseDecoder(graphs=False)
     with pytest.raises(Exception, match="input embeddings of type"):
         decoder.prepare(saved, 1, 64)
-    import nbkit.dense_decode as dense
+    import nbkit.decode.dense as dense
 
     monkeypatch.setattr(dense.memory, "room_for", lambda device, nbytes: False)
     assert "not enough free GPU memory" in DenseDecoder(graphs=False).check(_tiny(tok, "qwen3"), ids.shape[1] + 8)
@@ -173,7 +173,7 @@ def test_what_it_cannot_take_is_refused_with_a_reason(tok, one_thread, monkeypat
 
 def test_chat_and_generate_answers_take_the_dense_path_where_it_applies(tok, one_thread):
     model = _lora(_tiny(tok, "qwen3"))
-    model.__dict__["_nbkit_dense_decoder"] = DenseDecoder(graphs=False)  # what a GPU would make
+    decoders_of(model).dense = DenseDecoder(graphs=False)  # what a GPU would make
     pieces: list[str] = []
     got = answer(model, tok, QUESTIONS[1], max_new_tokens=24, stream=pieces.append)
     assert got.path == "dense" and got.reason is None

@@ -3,7 +3,8 @@
 The tape must behave as a CUDA graph does, so that CPU tests see what a GPU would: replays recompute from the static
 input and the parameters' current values, Python runs only at capture (a tensor read from outside the capture stays
 the one read), a host read of a device value fails the capture, and a parameter the graph does not reach fails it
-too. ``tests/gpu/test_layer_graphs_gpu.py`` runs the same scenarios on real CUDA graphs and compares.
+too; a capture cut in ``Segments`` replays its graphs in order with eager work between them.
+``tests/gpu/test_layer_graphs_gpu.py`` runs the same scenarios on real CUDA graphs and compares.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nbkit.ops.layer_graphs import GraphedLayer, TapeBackend, UnreachedParameters, replay
+from nbkit.ops.layer_graphs import GraphedLayer, Segments, TapeBackend, UnreachedParameters, replay
 
 HIDDEN, TOKENS = 8, 12
 
@@ -120,11 +121,50 @@ def check_a_second_forward_before_the_backward_is_refused(backend, device):
         first.sum().backward()
 
 
+def check_segments_replay_in_order_with_eager_parts_between(backend, device):
+    """A step cut in two graphs (as the graphed decoder cuts at each attention): the eager part between them runs at
+    each replay with the Python values of that replay, the graphs read the static input as it is now."""
+    torch.manual_seed(0)
+    w = torch.randn(HIDDEN, HIDDEN, device=device)
+    x = torch.randn(4, HIDDEN, device=device)
+    segments = Segments(backend)
+    with torch.no_grad():
+        backend.warm_up(lambda: torch.tanh(x @ w) + x, x.device)
+        segments.begin()
+        y = torch.tanh(x @ w)
+        segments.end()
+        between = torch.empty_like(y)  # written by the eager part, read by the second graph
+        segments.begin()
+        out = between * 2 + x
+        segments.end()
+    assert len(segments.graphs) == 2
+    for scale in (1.0, -3.0, 0.5):
+        x.copy_(torch.randn(4, HIDDEN, device=device))
+        segments.graphs[0].replay()
+        between.copy_(y[:, :1].expand_as(y) * scale)  # the eager part: its Python value changes per replay
+        segments.graphs[1].replay()
+        want = torch.tanh(x @ w)[:, :1].expand_as(y) * scale * 2 + x
+        torch.testing.assert_close(out, want)
+
+
 CHECKS = [check_replays_recompute_from_the_static_input_and_the_parameters_as_they_are_now,
           check_python_runs_only_at_capture, check_a_host_read_of_a_device_value_fails_the_capture,
-          check_a_parameter_held_by_reference_fails_the_capture, check_a_second_forward_before_the_backward_is_refused]
+          check_a_parameter_held_by_reference_fails_the_capture, check_a_second_forward_before_the_backward_is_refused,
+          check_segments_replay_in_order_with_eager_parts_between]
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__[6:])
 def test_on_the_tape(check):
     check(TapeBackend(), "cpu")
+
+
+def test_an_aborted_segment_leaves_capture_and_no_graphs():
+    segments = Segments(TapeBackend())
+    segments.begin()
+    with pytest.raises(RuntimeError, match="open already"):
+        segments.begin()
+    segments.abort()
+    assert segments.graphs == [] and segments._open is None
+    segments.begin()  # a new capture can start
+    segments.end()
+    assert len(segments.graphs) == 1

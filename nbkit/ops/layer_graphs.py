@@ -30,6 +30,10 @@ Contract of ``GraphedLayer``:
 - One forward, then its backward. A second forward before the backward raises ``RuntimeError``: the graph keeps
   one forward's activations. Graphs of one pool must replay in the order they were captured. The caller captures
   all forwards in layer order, then all backwards in reverse.
+
+``Segments``: one capture cut into several graphs of one pool, for a step with parts that must run eagerly at each
+replay (the graphed decoder's attention over a length that grows every token). Every graph capture in nbkit goes
+through these backends, so the CPU tests drive each captured path on tapes.
 """
 
 from __future__ import annotations
@@ -254,3 +258,42 @@ def replay(layer: GraphedLayer, x: torch.Tensor) -> torch.Tensor:
     """``layer``'s forward on ``x`` (at most its static input's length) as a replay, differentiable to ``x`` and
     the real trainable parameters."""
     return _Replay.apply(layer, x, *layer.trainable)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one capture in segments
+
+
+class Segments:
+    """One capture cut into several graphs of one pool, for a step whose parts between two graphs must run eagerly
+    at replay (an attention over a length that changes every step). ``begin()`` opens a graph, ``end()`` closes it;
+    the caller replays ``graphs`` in order with its eager parts between them. ``abort()`` closes an open graph after
+    a failure, so the stream leaves capture mode."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.pool = backend.pool()
+        self.graphs: list[Any] = []
+        self._open: Optional[tuple[Any, contextlib.AbstractContextManager]] = None
+
+    def begin(self) -> None:
+        if self._open is not None:
+            raise RuntimeError("a segment is open already: end it first")
+        graph = self.backend.new_graph()
+        context = self.backend.capturing(graph, self.pool)
+        context.__enter__()
+        self._open = (graph, context)
+
+    def end(self) -> None:
+        graph, context = self._open
+        self._open = None
+        context.__exit__(None, None, None)
+        self.graphs.append(graph)
+
+    def abort(self) -> None:
+        if self._open is not None:
+            _, context = self._open
+            self._open = None
+            with contextlib.suppress(Exception):
+                context.__exit__(None, None, None)
+        self.graphs = []

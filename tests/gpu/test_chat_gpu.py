@@ -98,11 +98,11 @@ def test_graphed_tokens_equal_generate_on_a_4bit_base_with_lora(tok):
 
 
 def test_a_second_chat_reuses_the_capture_and_a_weight_update_is_seen(tok):
-    from nbkit.chat import _DECODER_ATTR, answer
+    from nbkit.chat import answer, decoders_of
 
     model = _lora(_model(tok, "qwen3", torch.bfloat16))
     first = answer(model, tok, PROMPTS[0], max_new_tokens=32, stream=False, exact=True)
-    decoder = model.__dict__[_DECODER_ATTR]
+    decoder = decoders_of(model).graphed
     answer(model, tok, PROMPTS[1], max_new_tokens=32, stream=False, exact=True)
     assert decoder.captures == 1
     with torch.no_grad():  # an optimizer step updates parameters in place: the graphs read them where they are
@@ -126,3 +126,24 @@ def test_streamed_text_is_the_answer_and_it_stops_at_end_of_turn(tok):
     assert got.path == "graphed"
     assert got.token_ids == plain[: plain.index(stop) + 1]
     assert "".join(pieces) == got.text
+
+
+def test_graphed_sampling_is_seeded_and_top_k_one_is_greedy(tok):
+    """The graphed path samples from its replayed step's logits on the device: top-k 1 gives generate's greedy
+    tokens, a seed repeats its tokens, another seed draws others, and sampling reuses the greedy capture."""
+    from nbkit.chat import answer, decoders_of
+
+    model = _model(tok, "qwen3", torch.bfloat16)
+    greedy = answer(model, tok, PROMPTS[0], max_new_tokens=32, stream=False, exact=True)
+    one = answer(model, tok, PROMPTS[0], max_new_tokens=32, stream=False, exact=True, top_k=1, temperature=1.0,
+                 seed=0)
+    assert one.path == "graphed" and one.token_ids == greedy.token_ids == _plain(model, tok, PROMPTS[0], 32)
+    a = answer(model, tok, PROMPTS[0], max_new_tokens=32, stream=False, exact=True, temperature=1.5, min_p=0.1,
+               seed=3)
+    b = answer(model, tok, PROMPTS[0], max_new_tokens=32, stream=False, exact=True, temperature=1.5, min_p=0.1,
+               seed=3)
+    c = answer(model, tok, PROMPTS[0], max_new_tokens=32, stream=False, exact=True, temperature=1.5, min_p=0.1,
+               seed=4)
+    assert a.path == "graphed" and a.token_ids == b.token_ids != c.token_ids
+    assert a.token_ids != greedy.token_ids
+    assert decoders_of(model).graphed.captures == 1

@@ -63,9 +63,9 @@ def test_small_ops_match_their_references(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_decoder_through_the_kernels_is_the_decoder_in_torch(dtype):
     from nbkit.chat import greedy_config, prompt_ids
+    from nbkit.decode.dense import DenseDecoder
     from nbkit.demo.models import tiny_model
     from nbkit.demo.tokenizer import load_demo_tokenizer
-    from nbkit.dense_decode import DenseDecoder
 
     tok = load_demo_tokenizer()
     model = tiny_model("qwen3", len(tok), dtype=dtype, pad_token_id=tok.pad_token_id, eos_token_id=None,

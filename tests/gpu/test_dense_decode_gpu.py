@@ -1,4 +1,4 @@
-"""``nbkit.dense_decode`` on a CUDA GPU: the captured step is the eager step, and its tokens are ``generate``'s up to
+"""``nbkit.decode.dense`` on a CUDA GPU: the captured step is the eager step, and its tokens are ``generate``'s up to
 near-ties.
 
 Tolerance, stated: the dense path rounds differently from the model's own step (adapters merged, projections fused,
@@ -106,7 +106,7 @@ def _held_to_the_models_logits(model, ids, mask, rows, gap):
 @pytest.mark.parametrize("family,dtype", [("qwen3", torch.bfloat16), ("qwen3", torch.float32),
                                           ("llama", torch.bfloat16), ("qwen2", torch.bfloat16), ("4bit", None)])
 def test_tokens_are_the_models_up_to_near_ties_single_and_batched(tok, family, dtype):
-    from nbkit.dense_decode import DenseDecoder
+    from nbkit.decode.dense import DenseDecoder
 
     model = _four_bit(tok) if family == "4bit" else _lora(_model(tok, family, dtype))
     dtype = dtype or torch.bfloat16
@@ -122,7 +122,7 @@ def test_tokens_are_the_models_up_to_near_ties_single_and_batched(tok, family, d
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_captured_step_is_the_eager_step(tok, dtype):
-    from nbkit.dense_decode import DenseDecoder
+    from nbkit.decode.dense import DenseDecoder
 
     model = _lora(_model(tok, "qwen3", dtype))
     batch = _batch(tok, QUESTIONS)
@@ -134,7 +134,7 @@ def test_the_captured_step_is_the_eager_step(tok, dtype):
 
 
 def test_chat_takes_the_dense_path_and_falls_back_when_memory_is_short(tok, monkeypatch):
-    import nbkit.dense_decode as dense
+    import nbkit.decode.dense as dense
     from nbkit.chat import answer, release_decoders
 
     model = _lora(_model(tok, "qwen3", torch.bfloat16))
@@ -158,5 +158,43 @@ def test_generate_answers_fast_and_plain_agree_on_most_answers(tok):
     questions = [f"Reverse the words: {a} {b} {c}" for a, b, c in zip("abcdefgh", "ijklmnop", "qrstuvwx")]
     fast = generate_answers(model, tok, questions, max_new_tokens=24, batch_size=4)
     plain = generate_answers(model, tok, questions, max_new_tokens=24, batch_size=4, fast=False)
-    assert model.__dict__["_nbkit_dense_decoder"].captures == 1
+    from nbkit.chat import decoders_of
+
+    assert decoders_of(model).dense.captures == 1
     assert sum(a == b for a, b in zip(fast, plain)) >= len(questions) - 1, (fast, plain)
+
+
+def test_the_captured_sampling_step_is_the_eager_one_and_a_seed_repeats(tok):
+    """Sampling (``nbkit.ops.sampling`` inside the graph, the noise refilled before each replay): the captured step
+    draws the eager step's tokens for a seed (float32: the same kernels, the same noise), a seed repeats, and top-k 1
+    is greedy decoding."""
+    from nbkit.decode.config import GenerationSettings
+    from nbkit.decode.dense import DenseDecoder
+
+    model = _lora(_model(tok, "qwen3", torch.float32))
+    batch = _batch(tok, QUESTIONS)
+    args = (model, batch["input_ids"], _config(model, tok, 48), batch["attention_mask"])
+    graphed = DenseDecoder()
+    greedy = graphed.generate(*args)
+    for settings in (GenerationSettings(max_new_tokens=48, temperature=1.5, min_p=0.1, seed=0),
+                     GenerationSettings(max_new_tokens=48, temperature=0.8, top_p=0.9, top_k=40, seed=1)):
+        got = graphed.generate(*args, settings=settings)
+        assert got == DenseDecoder(graphs=False).generate(*args, settings=settings)
+        assert graphed.generate(*args, settings=settings) == got
+        assert got != greedy
+    one = GenerationSettings(max_new_tokens=48, temperature=1.0, top_k=1, seed=2)
+    assert graphed.generate(*args, settings=one) == greedy
+    assert graphed.captures == 3  # greedy, sampling, sampling with top-k/top-p: one graph each, one set of buffers
+
+
+def test_chat_samples_on_the_dense_path(tok):
+    from nbkit.chat import answer
+
+    model = _lora(_model(tok, "qwen3", torch.bfloat16))
+    pieces: list[str] = []
+    got = answer(model, tok, QUESTIONS[2], max_new_tokens=40, stream=pieces.append, temperature=1.5, min_p=0.1,
+                 seed=0)
+    assert got.path == "dense", got.reason
+    assert "".join(pieces) == got.text
+    again = answer(model, tok, QUESTIONS[2], max_new_tokens=40, stream=False, temperature=1.5, min_p=0.1, seed=0)
+    assert again.token_ids == got.token_ids

@@ -1,6 +1,7 @@
 """The graph engine's scenarios (tests/test_layer_graphs.py) on real CUDA graphs: replays match the eager module,
 Python runs only at capture (the same stale read the tape shows on a CPU), unreached parameters fail the capture, a
-second forward before its backward is refused. Same code, same assertions: the tape the CPU tests run on behaves as
+second forward before its backward is refused, a capture cut in segments replays with its eager parts between.
+Same code, same assertions: the tape the CPU tests run on behaves as
 a CUDA graph does. fp32, TF32 off: eager and replay to torch's default fp32 tolerances. Not here: a host read inside
 a capture (the tape refuses it by name); a CUDA capture that fails part-way leaves torch's CUDA generator unusable
 for the rest of the process ("Offset increment outside graph capture"), which would break every later test."""

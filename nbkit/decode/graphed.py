@@ -1,28 +1,33 @@
-"""Greedy decoding whose one-token step is replayed from CUDA graphs: token for token what ``generate`` gives.
+"""Decoding whose one-token step is replayed from captured graphs: greedy, token for token what ``generate`` gives.
 
 Why: at batch size 1 a decode step of a (4-bit, LoRA-adapted) model is a few thousand small kernels, each issued
 by Python (transformers modules, bitsandbytes dequantization, PEFT adapters); the GPU mostly waits for the host.
 Replaying the recorded step removes that host work.
 
-How, and why the tokens stay exactly those of ``model.generate(do_sample=False)``:
+How, and why greedy tokens stay exactly those of ``model.generate(do_sample=False)``:
 - the prompt goes through ``model.generate(max_new_tokens=1)`` itself (the same kernels, the same first token);
   its key/value cache is copied into preallocated per-layer buffers;
 - one decode step is captured once per model (again when its parameters, adapters or buffer sizes change), from
-  the embedding to the logits, in segments that end at each attention call. Between segments the attention runs
-  eagerly, through the model's own attention function (sdpa or eager), on contiguous keys and values of exactly
-  the cached length: the call, shapes and kernels of ``generate``'s step. A CUDA graph replays the kernels it
-  recorded unchanged, so every number of the step, and so every greedy token, is the same. (Attending over a
-  fixed padded length, as compiled static-cache decoding does, changes kernels and rounding: its tokens drift
-  from ``generate``'s.)
-- the next token is the argmax of the float32 logits, as in ``generate`` without logits processors.
+  the embedding to the logits, in segments that end at each attention call (``nbkit.ops.layer_graphs.Segments``,
+  through the decoder's backend: CUDA graphs, or tapes on any device for the CPU tests). Between segments the
+  attention runs eagerly, through the model's own attention function (sdpa or eager), on contiguous keys and values
+  of exactly the cached length: the call, shapes and kernels of ``generate``'s step. A CUDA graph replays the
+  kernels it recorded unchanged, so every number of the step, and so every greedy token, is the same. (Attending
+  over a fixed padded length, as compiled static-cache decoding does, changes kernels and rounding: its tokens
+  drift from ``generate``'s.)
+- greedy: the next token is the argmax of the float32 logits, as in ``generate`` without logits processors.
+  Sampling (``GenerationSettings``): the prompt's logits come from ``generate`` and every token, the first one
+  included, is drawn on the device from the step's logits (``nbkit.ops.sampling``, one seeded generator); the token
+  is read on the host once a step, as in greedy decoding.
 "The same tokens" holds as far as ``generate`` reproduces itself: where two logits nearly tie (a random-weight
 model after a few hundred tokens, say), run-to-run differences in GPU kernels (e.g. bitsandbytes' 4-bit kernels)
 can flip a token in two plain ``generate`` calls already, and then in this path too.
 
-Not covered (``GraphedDecoder.unsupported`` names the reason; callers then use ``generate``): no CUDA; generation
-settings that change greedy choices (repetition penalty, forced or suppressed tokens, ...); attention
-implementations other than sdpa/eager; sliding-window layers shorter than the conversation; models whose step
-cannot be captured (a host sync in the forward, e.g. data-dependent MoE routing loops).
+Not covered (``GraphedDecoder.check`` names the reason; callers then use ``generate``): no device the backend
+captures on (CUDA for CUDA graphs); generation settings that change greedy choices (repetition penalty, forced or
+suppressed tokens, ...); attention implementations other than sdpa/eager; sliding-window layers shorter than the
+conversation; models whose step cannot be captured (a host sync in the forward, e.g. data-dependent MoE routing
+loops).
 """
 
 from __future__ import annotations
@@ -39,25 +44,26 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .model_parts import unwrap_model
-from .trl_seam import ALL_MASK_ATTENTION_FUNCTIONS, DynamicLayer
+from ..model_parts import unwrap_model
+from ..ops.layer_graphs import Segments
+from ..trl_seam import ALL_MASK_ATTENTION_FUNCTIONS, DynamicLayer
+from .config import GenerationSettings
+from .sampler import Draws
+from .shared import (
+    Unsupported,
+    default_backend,
+    greedy_changers,
+    parameter_signature,
+    placement_reason,
+    text_config,
+    window_reason,
+)
 
 logger = logging.getLogger(__name__)
 
 _IMPL = "nbkit_graphed_"  # + the original implementation's name
 _KWARG = "nbkit_graphed"
 _BLOCK = 512  # buffer capacity grows in steps of this many positions
-_GREEDY_CHANGERS = (  # generation-config fields that make greedy decoding differ from a plain argmax
-    ("repetition_penalty", 1.0), ("no_repeat_ngram_size", 0), ("bad_words_ids", None), ("min_length", 0),
-    ("min_new_tokens", 0), ("forced_bos_token_id", None), ("forced_eos_token_id", None),
-    ("suppress_tokens", None), ("begin_suppress_tokens", None), ("sequence_bias", None),
-    ("exponential_decay_length_penalty", None), ("guidance_scale", 1.0), ("remove_invalid_values", False),
-    ("watermarking_config", None), ("encoder_repetition_penalty", 1.0),
-)
-
-
-class Unsupported(RuntimeError):
-    """This model or setting cannot take the graphed path; the message is the reason, for one log line."""
 
 
 class _BufferLayer(DynamicLayer):
@@ -112,14 +118,14 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 class _Step:
-    """Warm-up and capture of one decode step, then its replay at any cached length."""
+    """Warm-up and capture of one decode step in segments (``layer_graphs.Segments``), then its replay at any
+    cached length."""
 
-    def __init__(self, original: Callable, eager_impl: bool, layers: list[_BufferLayer]) -> None:
+    def __init__(self, original: Callable, eager_impl: bool, layers: list[_BufferLayer], backend: Any) -> None:
         self.original, self.eager_impl, self.layers = original, eager_impl, layers
         self.capturing = False
-        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.segments = Segments(backend)
         self.sites: list[_Site] = []
-        self.pool = None
         self.out_like: dict[int, torch.Tensor] = {}
 
     def _eager(self, module: torch.nn.Module, query: torch.Tensor, layer: _BufferLayer, length: int,
@@ -140,38 +146,29 @@ class _Step:
             out = self._eager(module, query, layer, layer.length, kwargs)
             self.out_like[module.layer_idx] = out
             return out
-        self.graphs[-1].capture_end()
+        self.segments.end()
         like = self.out_like[module.layer_idx]
         out = torch.empty_like(like)
         self.sites.append(_Site(module, query, out, layer, kwargs))
-        self._begin()
+        self.segments.begin()
         return out
 
-    def _begin(self) -> None:
-        graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=self.pool)
-        self.graphs.append(graph)
-
     def capture(self, forward: Callable[[], Any]) -> Any:
-        self.pool = torch.cuda.graph_pool_handle()
         self.capturing = True
-        self._begin()
+        self.segments.begin()
         try:
             out = forward()
-            self.graphs[-1].capture_end()
+            self.segments.end()
         except BaseException:
-            try:  # leave the stream out of capture mode
-                self.graphs[-1].capture_end()
-            except Exception:
-                pass
-            self.graphs, self.sites = [], []
+            self.segments.abort()  # leave the stream out of capture mode
+            self.sites = []
             raise
         finally:
             self.capturing = False
         return out
 
     def replay(self, length: int) -> None:
-        for i, graph in enumerate(self.graphs):
+        for i, graph in enumerate(self.segments.graphs):
             graph.replay()
             if i < len(self.sites):
                 site = self.sites[i]
@@ -198,32 +195,6 @@ def step_buffers(model: torch.nn.Module, base: torch.nn.Module,
     return ids, pos, layers
 
 
-def greedy_changers(generation_config: Any) -> list[str]:
-    """The generation-config fields that would make ``generate``'s greedy tokens differ from a plain argmax."""
-    found = []
-    for name, neutral in _GREEDY_CHANGERS:
-        value = getattr(generation_config, name, neutral)
-        if value is not None and value != neutral and not (neutral == 0 and value == 0):
-            found.append(f"{name}={value!r}")
-    return found
-
-
-def parameter_signature(model: torch.nn.Module, versions: bool = False) -> tuple:
-    """What a decoder built from ``model`` depends on, in one walk over its modules: where every parameter lives
-    (a captured step reads them there) and, with ``versions``, their in-place versions too (a copy of their values
-    goes stale when an optimizer steps them in place); and each adapter layer's switches."""
-    from .trl_seam import BaseTunerLayer
-
-    params, flags = [], []
-    for module in model.modules():
-        for p in module._parameters.values():
-            if p is not None:
-                params.append((p.data_ptr(), p._version) if versions else p.data_ptr())
-        if isinstance(module, BaseTunerLayer):
-            flags.append((module.disable_adapters, tuple(module.active_adapters), tuple(module.merged_adapters)))
-    return tuple(params), tuple(flags)
-
-
 def _cache_kwarg(base: torch.nn.Module) -> str:
     params = inspect.signature(base.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
@@ -238,13 +209,16 @@ def _register(original_impl: str) -> str:
 
 
 class GraphedDecoder:
-    """Greedy decoding of one model through a captured decode step (see the module docstring).
+    """Decoding of one model through its own captured decode step (see the module docstring).
 
-    ``check(model, total_len)`` returns None or the reason the path does not apply; ``generate(...)`` decodes.
-    ``first_capture_s`` is the time the first capture took (warm-up, capture); ``captures`` counts them.
+    ``check(model, total_len)`` returns None or the reason the path does not apply; ``prepare`` captures (or keeps)
+    the step; ``generate(...)`` decodes. ``backend``: the ``nbkit.ops.layer_graphs`` backend the step is captured
+    with (default CUDA graphs; ``TapeBackend()`` replays on any device: the CPU tests'). ``first_capture_s`` is the
+    time the first capture took (warm-up, capture); ``captures`` counts them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, backend: Any = None) -> None:
+        self.backend = backend if backend is not None else default_backend(True)
         self.captures = 0
         self.reported = False  # the fallback reason was logged once
         self.first_capture_s: float | None = None
@@ -252,35 +226,23 @@ class GraphedDecoder:
         self._signature: tuple | None = None
         self._layers: list[_BufferLayer] = []
         self._ids = self._pos = self._logits = None
+        self._draws: Draws | None = None
         self._capacity = 0
 
     # -- applicability ---------------------------------------------------------------------------------------------
-    @staticmethod
-    def check(model: torch.nn.Module, total_len: int) -> str | None:
-        if not torch.cuda.is_available():
-            return "no CUDA device"
+    def check(self, model: torch.nn.Module, total_len: int) -> str | None:
+        """None if ``model`` can decode up to ``total_len`` positions on this path here, else the reason."""
+        reason = placement_reason(model, self.backend)
+        if reason:
+            return reason
         base = unwrap_model(model)
-        try:
-            device = next(base.parameters()).device
-        except StopIteration:
-            return "the model has no parameters"
-        if device.type != "cuda":
-            return f"the model is on {device.type}"
-        if getattr(base, "hf_device_map", None) and len(set(map(str, base.hf_device_map.values()))) > 1:
-            return "the model is spread over several devices"
         impl = getattr(base.config, "_attn_implementation", None)
         if impl not in ("sdpa", "eager"):
             return f"attention implementation {impl!r} (the graphed step runs sdpa or eager)"
         changers = greedy_changers(base.generation_config)
         if changers:
             return "the generation config changes greedy choices: " + ", ".join(changers)
-        text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
-        window = getattr(text, "sliding_window", None)
-        types = getattr(text, "layer_types", None)
-        sliding = window is not None and (types is None or "sliding_attention" in types)
-        if sliding and total_len >= window:
-            return f"sliding-window attention ({window} positions) shorter than this conversation ({total_len})"
-        return None
+        return window_reason(text_config(base), total_len)
 
     # -- state -----------------------------------------------------------------------------------------------------
     def _allocate(self, model: torch.nn.Module, base: torch.nn.Module, capacity: int) -> None:
@@ -295,22 +257,21 @@ class GraphedDecoder:
             original = getattr(inspect.getmodule(type(attn)), "eager_attention_forward", None) if attn else None
             if original is None:
                 raise Unsupported("no eager attention function found in the model's modeling module")
-        step = _Step(original, original_impl == "eager", self._layers)
+        step = _Step(original, original_impl == "eager", self._layers, self.backend)
         cache = Cache(layers=self._layers)
         kwargs = {"input_ids": self._ids, "position_ids": self._pos, _cache_kwarg(base): cache, "use_cache": True,
                   "logits_to_keep": 1, "return_dict": True, _KWARG: step}
         for layer in self._layers:
             layer.length = 0
         self._pos.zero_()
+        device = self._ids.device
         base.set_attn_implementation(_register(original_impl))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
         try:
-            with torch.no_grad(), torch.cuda.stream(stream):
-                model(**kwargs)  # warm-up: lazy initialisations, and the attention output shapes
+            with torch.no_grad():
+                # warm-up: lazy initialisations, and the attention output shapes
+                self.backend.warm_up(lambda: model(**kwargs), device)
                 for layer in self._layers:
                     layer.length = 0
-                torch.cuda.synchronize()
                 out = step.capture(lambda: model(**kwargs))
         except Unsupported:
             raise
@@ -318,7 +279,6 @@ class GraphedDecoder:
             raise Unsupported(f"its decode step cannot be captured ({type(error).__name__}: {error})") from error
         finally:
             base.set_attn_implementation(original_impl)
-            torch.cuda.current_stream().wait_stream(stream)
         self._step, self._logits = step, out.logits
         self.captures += 1
 
@@ -340,21 +300,48 @@ class GraphedDecoder:
         if self.first_capture_s is None:
             self.first_capture_s = time.perf_counter() - t0
 
+    def release(self) -> None:
+        """Free the captured step and its buffers (captured again on the next call)."""
+        self._step, self._signature, self._layers = None, None, []
+        self._ids = self._pos = self._logits = None
+        self._draws, self._capacity = None, 0
+
     # -- decoding --------------------------------------------------------------------------------------------------
+    def _choose(self, logits: torch.Tensor, settings: GenerationSettings | None) -> torch.Tensor:
+        """The next token (1,): greedy, the argmax of the float32 logits as ``generate``'s; sampling, a draw on the
+        device (``nbkit.ops.sampling``)."""
+        if settings is None or not settings.sampling:
+            return logits.to(torch.float32).argmax(dim=-1)
+        self._draws.refill()
+        return self._draws.choose(logits)
+
     @torch.no_grad()
     def generate(self, model: torch.nn.Module, input_ids: torch.Tensor, config: Any,
-                 on_token: Callable[[int], None] | None = None) -> list[int]:
-        """Greedy tokens for ``input_ids`` (1, P) under generation ``config`` (greedy; ``max_new_tokens`` and
-        ``eos_token_id`` are read from it). Stops after an eos id, which is included, as ``generate`` does."""
+                 on_token: Callable[[int], None] | None = None,
+                 settings: GenerationSettings | None = None) -> list[int]:
+        """Tokens for ``input_ids`` (1, P) under generation ``config`` (``max_new_tokens`` and ``eos_token_id``
+        are read from it), greedy unless ``settings`` sample. Stops after an eos id, which is included, as
+        ``generate`` does. Greedy: ``generate``'s tokens; sampling: each token drawn from the step's logits."""
         prompt_len, max_new = input_ids.shape[1], int(config.max_new_tokens)
         eos = config.eos_token_id
         stop_ids = set([eos] if isinstance(eos, int) else (eos or []))
+        sampling = settings is not None and settings.sampling
         self.prepare(model, prompt_len + max_new)
         first = copy.deepcopy(config)
         first.max_new_tokens = 1
-        out = model.generate(input_ids=input_ids, generation_config=first, return_dict_in_generate=True)
+        first.return_dict_in_generate = True
+        if sampling:  # the prompt's logits through generate, the draw here (one generator for every token)
+            first.do_sample = False
+            for name in ("temperature", "top_p", "top_k", "min_p"):
+                setattr(first, name, None)
+            first.output_logits = True
+            vocab = self._logits.shape[-1]
+            if self._draws is None or self._draws.noise.shape[-1] != vocab:
+                self._draws = Draws(1, vocab, self._ids.device)
+            self._draws.load(settings)
+        out = model.generate(input_ids=input_ids, generation_config=first)
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-        token = int(out.sequences[0, -1])
+        token = int(self._choose(out.logits[0], settings)) if sampling else int(out.sequences[0, -1])
         tokens = [token]
         if on_token:
             on_token(token)
@@ -368,7 +355,7 @@ class GraphedDecoder:
         for position in range(prompt_len, prompt_len + max_new - 1):
             self._pos.fill_(position)
             self._step.replay(position + 1)
-            nxt = self._logits[:, -1, :].to(torch.float32).argmax(dim=-1)
+            nxt = self._choose(self._logits[:, -1, :], settings)
             self._ids.copy_(nxt.view(1, 1))
             token = int(nxt)
             tokens.append(token)
