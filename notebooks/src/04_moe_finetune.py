@@ -105,7 +105,7 @@ import nbkit
 from nbkit import FastSFT, FastSFTConfig, load_model
 from nbkit.demo.data import demo_pairs
 from nbkit.loading import pick_compute_dtype
-from nbkit.memory import fmt_bytes
+from nbkit.memory import device_memory, fmt_bytes
 from nbkit.notebook import (RunProbe, answers, demo_chat_dataset, exact_match, feature, keep_trainable_fp32,
                             md_table, pick_model, answer_loss)
 
@@ -133,7 +133,7 @@ out.mkdir(parents=True, exist_ok=True)
 compute_dtype = pick_compute_dtype()
 device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA GPU"
-gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+gpu_bytes = device_memory().total if torch.cuda.is_available() else None
 name = model_name
 if model_name == "auto" and gpu_bytes is not None and gpu_bytes < min_gpu_gib * 2**30:
     print(f"{gpu} has {fmt_bytes(gpu_bytes)}: too little for Qwen3-30B-A3B (about 65 GB), so the tiny model trains "
