@@ -11,8 +11,9 @@
 #   4. removes a distribution named "nbkit" if there is one: nbkit's distribution is named nbkit-sft (the import
 #      stays `nbkit`), and "nbkit" on PyPI is an unrelated project whose files would shadow these;
 #   5. installs nbkit-sft from GitHub (default), a wheel, a local checkout or any requirement for nbkit-sft, with
-#      versions of its dependencies (transformers, trl, peft, bitsandbytes, datasets, accelerate, ipywidgets) that
-#      its own metadata declares compatible, then checks that `import nbkit` finds this project;
+#      its `notebooks` extra (what the example notebooks import beyond the core: matplotlib, psutil) and versions
+#      of its dependencies (transformers, trl, peft, bitsandbytes, datasets, accelerate, ipywidgets) that its own
+#      metadata declares compatible, then checks that `import nbkit` finds this project;
 #   6. with --flash only: installs flash-attn if a prebuilt wheel for this runtime can be downloaded (never builds it
 #      from source) and it imports against the installed torch; otherwise says why it skipped it;
 #   7. prints the GPU, its compute capability, bf16 or fp16, the key versions, and whether to restart the runtime.
@@ -103,6 +104,17 @@ elif [[ -f "$SOURCE" && "$SOURCE" == *.whl ]]; then
     NBKIT_REQ="$(cd "$(dirname "$SOURCE")" && pwd)/$(basename "$SOURCE")"
 else
     bad_source "no such directory or wheel, and not a requirement for nbkit-sft"
+fi
+# with the extra the notebooks need (charts, host memory): added to extras the source names, kept if named already
+EXTRA=notebooks
+if [[ "$NBKIT_REQ" =~ ^(nbkit[-_.]sft)[[:space:]]*\[([^]]*)\](.*)$ ]]; then
+    extras="${BASH_REMATCH[2]}"
+    [[ ",${extras// /}," == *",$EXTRA,"* ]] || extras="${extras:+$extras,}$EXTRA"
+    NBKIT_REQ="${BASH_REMATCH[1]}[$extras]${BASH_REMATCH[3]}"
+elif [[ "$NBKIT_REQ" =~ ^(nbkit[-_.]sft)(.*)$ ]]; then
+    NBKIT_REQ="${BASH_REMATCH[1]}[$EXTRA]${BASH_REMATCH[2]}"
+else  # a path (checkout or wheel): pip reads "PATH[extra]"
+    NBKIT_REQ="${NBKIT_REQ}[$EXTRA]"
 fi
 
 # ---- platform ------------------------------------------------------------------------------------------------------
@@ -224,7 +236,7 @@ if [[ -n "$OTHER" ]]; then
 fi
 
 PIP=("$PY" -m pip install --upgrade --upgrade-strategy only-if-needed --progress-bar off -c "$CONSTRAINTS")
-say "installing nbkit from $SOURCE"
+say "installing nbkit from $SOURCE, with its $EXTRA extra"
 if ! run "${PIP[@]}" "$NBKIT_REQ"; then
     say "ERROR: pip failed."
     if [[ "$PLATFORM" == kaggle ]]; then

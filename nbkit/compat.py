@@ -11,6 +11,7 @@ gives the bundle on both.
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from typing import Any, Iterator, Optional
 
@@ -18,6 +19,21 @@ import torch
 
 # transformers' warning when ``model.is_gradient_checkpointing`` (renamed ``is_activation_checkpointing``) is read
 PEFT_CHECKPOINTING_PROBE = r"`is_gradient_checkpointing` is deprecated"
+
+
+def _fused_pattern_warning(attribute: str, fused: str) -> str:
+    """The message (a regex matching exactly it) of PEFT's warning that the ``attribute`` (rank_pattern,
+    alpha_pattern) key its own MoE conversion writes for the fused expert weight ``fused`` matched no module."""
+    key = rf".*\.{re.escape(fused)}"  # as peft.utils.transformers_weight_conversion writes it
+    text = f"The following {attribute} keys did not match any targeted module and were ignored: {[key]}."
+    return re.escape(text) + r"\Z"
+
+
+# PEFT (0.21) maps LoRA on transformers 4's separate expert projections onto transformers 5's fused expert weights
+# (Mixtral's w1/w3, Qwen-MoE's gate/up -> gate_up_proj: a parameter target, with rank and alpha doubled by a
+# pattern), then warns that the pattern matched no *module*: it applies to the parameter all the same.
+PEFT_FUSED_EXPERT_PATTERNS = [_fused_pattern_warning(attribute, "gate_up_proj")
+                              for attribute in ("rank_pattern", "alpha_pattern")]
 
 
 def enable_activation_checkpointing(model: torch.nn.Module, kwargs: Optional[dict[str, Any]] = None) -> None:
@@ -44,16 +60,22 @@ def checkpointing_args(enabled: bool, kwargs: Optional[dict[str, Any]] = None) -
 
 @contextlib.contextmanager
 def quiet_peft_wrap() -> Iterator[None]:
-    """A block in which PEFT wraps a model (``get_peft_model``, ``PeftModel.from_pretrained``) without transformers'
-    FutureWarning about ``is_gradient_checkpointing``.
+    """A block in which PEFT wraps a model (``get_peft_model``, ``PeftModel.from_pretrained``) without two warnings
+    about PEFT's own workings, which the caller can neither act on nor change.
 
-    Why: PEFT (0.21) reads ``model.is_gradient_checkpointing`` of every model it wraps, a property transformers 5.2x
-    deprecated for ``is_activation_checkpointing``; the warning is about PEFT's read, which the caller cannot change.
-    Contract: only that warning, only inside the block (the filters are restored on exit, so the same read anywhere
-    else still warns); every other warning passes. Where the old name is not deprecated, nothing changes.
+    - transformers' FutureWarning about ``is_gradient_checkpointing``: PEFT (0.21) reads it of every model it wraps, a
+      property transformers 5.2x deprecated for ``is_activation_checkpointing``.
+    - PEFT's RuntimeWarning that the rank_pattern / alpha_pattern key its MoE conversion writes for a fused expert
+      weight (``PEFT_FUSED_EXPERT_PATTERNS``) matched no targeted module: the key is matched against modules only,
+      while it applies to the fused weight, a parameter target (that weight's LoRA gets the doubled rank).
+
+    Contract: only those messages (a user's own unmatched pattern key still warns), only inside the block (the
+    filters are restored on exit, so the same warnings anywhere else still show); every other warning passes.
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=PEFT_CHECKPOINTING_PROBE, category=FutureWarning)
+        for message in PEFT_FUSED_EXPERT_PATTERNS:
+            warnings.filterwarnings("ignore", message=message, category=RuntimeWarning)
         yield
 
 

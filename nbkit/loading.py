@@ -286,14 +286,32 @@ def load_model(
             lora_dropout=lora_dropout,
             target_modules=target_modules,
             modules_to_save=modules_to_save,
-            # tied embeddings stay tied when trained (modules_to_save); PEFT warns if asked on an untied model
-            ensure_weight_tying=bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False)),
+            # tied embeddings stay tied when one is trained; PEFT warns if asked where none is (or on an untied model)
+            ensure_weight_tying=_trains_tied_embedding(model, modules_to_save, target_modules),
             bias="none",
             task_type="CAUSAL_LM",
         )
         with quiet_peft_wrap():  # PEFT reads a checkpointing name transformers deprecated
             model = get_peft_model(model, lora_config)
     return model, tokenizer
+
+
+def _trains_tied_embedding(model: torch.nn.Module, modules_to_save: list[str] | None,
+                           target_modules: str | list[str] | None) -> bool:
+    """Whether the model ties its input embedding and output head and the adapter trains one of them (in
+    ``modules_to_save`` or ``target_modules``, named as PEFT's own tying check names them): only then has PEFT's
+    ``ensure_weight_tying`` anything to tie, and asked otherwise it warns."""
+    import re
+
+    from peft.utils.constants import EMBEDDING_LAYER_NAMES
+
+    if not getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        return False
+    if isinstance(target_modules, str):  # a regex over module names, or "all-linear" (which leaves the head out)
+        targeted = any(re.fullmatch(target_modules, name) for name in EMBEDDING_LAYER_NAMES)
+    else:
+        targeted = any(name.split(".")[-1] in EMBEDDING_LAYER_NAMES for name in target_modules or [])
+    return targeted or any(name.split(".")[-1] in EMBEDDING_LAYER_NAMES for name in modules_to_save or [])
 
 
 def _sync_special_tokens(model: torch.nn.Module, tokenizer) -> None:

@@ -10,7 +10,8 @@
   ``nbkit.load_jsonl``, which names an empty file or a bad line.
 - ``answers``: greedy chat answers, before and after training.
 - ``RunProbe``: tokens/s (TRL's token count, first step left out), per-step losses and peak CUDA memory of a run.
-- ``sequence_loss``: one number to tell whether two models (trained, reloaded, merged) are the same.
+- ``answer_loss``: the loss on held-out answers (what training lowers), and one number to tell whether two models
+  (trained, reloaded, merged) are the same.
 - ``feature``: whether an nbkit module and the name a notebook needs are there, and if not, what is missing.
 - ``LengthSearch``: the longest sequence a training step fits, found without ever running a step that host memory
   (or the time allowed) cannot hold: each try is first predicted from the ones measured at shorter lengths.
@@ -222,23 +223,40 @@ class RunProbe(TrainerCallback):
         return self.tokens / elapsed if elapsed > 0 else math.nan
 
 
+def _answer_ids(tokenizer: Any, question: str, answer: str) -> tuple[list[int], int]:
+    """The chat-formatted (question, answer) as token ids, and where the answer starts: the tokens after the prompt
+    with the assistant's header (``add_generation_prompt``), as TRL splits a conversational prompt-completion row.
+    Where the template renders the prompt differently inside the conversation, the answer starts where the two
+    renderings part."""
+    turns = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    full = tokenizer(tokenizer.apply_chat_template(turns, tokenize=False), add_special_tokens=False)["input_ids"]
+    prompt_text = tokenizer.apply_chat_template(turns[:1], tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    start = 0
+    while start < min(len(prompt), len(full)) and prompt[start] == full[start]:
+        start += 1
+    return full, max(1, start)
+
+
 @torch.no_grad()
-def sequence_loss(model: torch.nn.Module, tokenizer: Any, pairs: Sequence[tuple[str, str]]) -> float:
-    """Mean next-token cross-entropy of ``model`` over the chat-formatted (question, answer) ``pairs``, every token
-    counted, computed from the logits: no auxiliary term (TRL turns on MoE models' router loss, which
-    ``model(labels=...).loss`` would add), so two models with the same weights give the same number.
+def answer_loss(model: torch.nn.Module, tokenizer: Any, pairs: Sequence[tuple[str, str]]) -> float:
+    """Mean next-token cross-entropy (nats per token) of ``model`` on the answers of the chat-formatted (question,
+    answer) ``pairs``: the tokens training's loss covers (the completion, its end of turn included), the question's
+    not counted. 0 means every answer token was predicted with certainty; ``exp(-loss)`` is the geometric-mean
+    probability the model gives an answer token.
+
+    Computed from the logits: no auxiliary term (TRL turns on MoE models' router loss, which ``model(labels=...)
+    .loss`` would add), so two models with the same weights (trained, reloaded, merged) give the same number.
     """
     device = next(p.device for p in model.parameters())
     total, count = 0.0, 0
     with eval_mode(model):
         for question, answer in pairs:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": question}, {"role": "assistant", "content": answer}], tokenize=False
-            )
-            ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
-            logits = model(input_ids=ids).logits[0, :-1].float()
-            total += float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum"))
-            count += ids.shape[1] - 1
+            full, start = _answer_ids(tokenizer, question, answer)
+            ids = torch.tensor([full], device=device)
+            logits = model(input_ids=ids).logits[0, start - 1 : -1].float()
+            total += float(torch.nn.functional.cross_entropy(logits, ids[0, start:], reduction="sum"))
+            count += len(full) - start
     return total / max(1, count)
 
 

@@ -6,7 +6,7 @@ Why a module: an installed nbkit has no checkout, so the setup script travels in
 bootstraps with two commands that cannot replace the runtime's torch::
 
     %pip install --no-deps "nbkit-sft @ git+https://github.com/nbkit/nbkit"  # alone: no dependency is resolved
-    !python -m nbkit.setup  # the script pins torch, then installs nbkit's dependencies (--from: what to install)
+    !python -m nbkit.setup  # pins torch, then installs nbkit's dependencies and notebooks extra (--from: what)
 
 ``main`` (``python -m nbkit setup``, ``python -m nbkit.setup``, ``nbkit setup``) takes the script's options,
 ``--from SOURCE`` (default ``DEFAULT_SOURCE``), ``--flash``, ``--dry-run``, ``--python`` (default: this

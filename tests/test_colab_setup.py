@@ -27,6 +27,8 @@ SCRIPT = ROOT / "colab_setup.sh"
 BASH = shutil.which("bash")
 pytestmark = pytest.mark.skipif(BASH is None, reason="needs bash")
 DEFAULT_SOURCE = "nbkit-sft @ git+https://github.com/nbkit/nbkit"
+# what pip is asked for: the source with the extra the notebooks import (matplotlib, psutil)
+DEFAULT_REQUIREMENT = "nbkit-sft[notebooks] @ git+https://github.com/nbkit/nbkit"
 OURS = "nbkit-sft=0.1.0:nbkit"  # what the fake pip installs by default: this project, its package nbkit/
 
 
@@ -184,7 +186,7 @@ def test_dry_run_colab(box):
     assert "-c" in cmds[1]  # with torch pinned
     assert "liger-kernel: dry run: would install liger-kernel" in out
     pip = cmds[0]
-    assert pip[:4] == [box.python, "-m", "pip", "install"] and pip[-1] == DEFAULT_SOURCE
+    assert pip[:4] == [box.python, "-m", "pip", "install"] and pip[-1] == DEFAULT_REQUIREMENT
     assert "-c" in pip and pip[pip.index("-c") + 1].endswith("constraints.txt")
     assert "--upgrade-strategy" in pip and pip[pip.index("--upgrade-strategy") + 1] == "only-if-needed"
     assert_torch_untouched(cmds)
@@ -220,7 +222,7 @@ def test_dry_run_kaggle_git_source_with_flash(box):
     assert len(cmds) == 4
     install, download, flash_install, liger = cmds
     assert liger[-1] == "liger-kernel>=0.8.5"
-    assert install[-1] == f"nbkit-sft @ {url}"
+    assert install[-1] == f"nbkit-sft[notebooks] @ {url}"
     assert download[1:4] == ["-m", "pip", "download"]
     assert "--only-binary=:all:" in download and "--no-deps" in download and download[-1] == "flash-attn"
     assert flash_install[3] == "install" and "-c" in flash_install  # the wheel is installed with torch pinned
@@ -248,7 +250,7 @@ def test_dry_run_plain_cpu_local_path(box, tmp_path):
     out = r.stdout
     assert "platform: other" in out
     cmds = commands(out)
-    assert len(cmds) == 1 and cmds[0][-1] == str(checkout.resolve())
+    assert len(cmds) == 1 and cmds[0][-1] == f"{checkout.resolve()}[notebooks]"
     assert "GPU: none" in out and "precision: fp32" in out and "flash-attn: skipped: no CUDA GPU" in out
     assert "liger-kernel: skipped: no CUDA GPU" in out
     assert_torch_untouched(cmds)
@@ -264,13 +266,32 @@ def test_dry_run_without_torch_says_so(box, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "WARNING: no torch in this Python" in r.stdout
     cmds = commands(r.stdout)
-    assert len(cmds) == 1 and cmds[0][-1] == DEFAULT_SOURCE
+    assert len(cmds) == 1 and cmds[0][-1] == DEFAULT_REQUIREMENT
     # installing for real: pip bringing torch in is fine when there was none to keep
     box.fake_pip(installs="torch=2.9.0")
     r = box.run(REAL_PYTHON=bare)  # PYTHONPATH: the empty fake site, where pip "installs" torch
     assert r.returncode == 0, r.stdout + r.stderr
     assert (box.tmp / "constraints.seen").read_text() == ""
     assert "torch         2.9.0 (was -)" in r.stdout and "NBKIT_RESTART_NEEDED=0" in r.stdout
+
+
+@pytest.mark.parametrize(("source", "requirement"), [
+    ("nbkit-sft==0.1.0", "nbkit-sft[notebooks]==0.1.0"),
+    ("nbkit_sft>=0.1", "nbkit_sft[notebooks]>=0.1"),
+    ("nbkit-sft[flash] @ git+https://github.com/nbkit/nbkit", "nbkit-sft[flash,notebooks] @ git+https://github.com/nbkit/nbkit"),
+    ("nbkit-sft[notebooks]==0.1.0", "nbkit-sft[notebooks]==0.1.0"),
+    ("wheel", "{wheel}[notebooks]"),
+])
+def test_every_source_is_installed_with_the_notebooks_extra(box, tmp_path, source, requirement):
+    """What the notebooks import beyond the core (the ``notebooks`` extra: charts, host memory) comes with nbkit,
+    added to the extras a requirement names, once."""
+    wheel = tmp_path / "nbkit_sft-0.1.0-py3-none-any.whl"
+    wheel.write_bytes(b"")
+    fake_gpu(box.bin, None)
+    r = box.run("--dry-run", "--from", str(wheel) if source == "wheel" else source)
+    assert r.returncode == 0, r.stderr
+    assert commands(r.stdout)[0][-1] == requirement.format(wheel=wheel.resolve())
+    assert "with its notebooks extra" in r.stdout
 
 
 @pytest.mark.parametrize("args", [["--from", "ftp://example.com/nbkit"], ["--from", "/no/such/dir"], ["--bogus"],
@@ -322,7 +343,7 @@ def test_dry_run_with_an_unrelated_nbkit_plans_to_remove_it_first(box):
     assert "import nbkit would load it" in r.stdout
     uninstall, install = commands(r.stdout)
     assert uninstall == [box.python, "-m", "pip", "uninstall", "-y", "nbkit"]
-    assert install[3] == "install" and install[-1] == DEFAULT_SOURCE
+    assert install[3] == "install" and install[-1] == DEFAULT_REQUIREMENT
     assert (box.site / "nbkit" / "__init__.py").is_file()  # a dry run removes nothing
 
 
@@ -383,7 +404,7 @@ def test_install_reports_restart_when_an_installed_package_changed(box):
     r = box.run(COLAB_GPU="1")
     assert r.returncode == 0, r.stdout + r.stderr
     pip_calls = log.read_text().splitlines()
-    assert len(pip_calls) == 2 and pip_calls[0].startswith("PIP install ") and pip_calls[0].endswith(DEFAULT_SOURCE)
+    assert len(pip_calls) == 2 and pip_calls[0].startswith("PIP install ") and pip_calls[0].endswith(DEFAULT_REQUIREMENT)
     assert pip_calls[1].endswith(" liger-kernel>=0.8.5")  # a CUDA GPU: Liger's fused kernels
     assert (box.tmp / "constraints.seen").read_text() == "torch==2.5.1+cu124\n"  # what pip was given
     assert "transformers  9.9.9 (was " in r.stdout

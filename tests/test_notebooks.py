@@ -134,6 +134,35 @@ def dashboard_outputs(nb) -> list[str]:
             if "text/html" in output.get("data", {}) and "nbkit · training" in output["data"]["text/html"]]
 
 
+# What a notebook may print on stderr, each for a reason; anything else there is a stray warning or log line.
+EXPECTED_STDERR = [
+    # chat says once per model, on a CPU, why it decodes with model.generate (its fast paths need CUDA)
+    re.compile(r"nbkit chat: decoding with model\.generate: no CUDA device"),
+]
+
+
+def stray_outputs(nb) -> list[str]:
+    """What a reader should not find in an executed notebook, one entry each: a stderr line that is not one of
+    ``EXPECTED_STDERR`` (warnings, loggers' lines), a printed line with "Warning" in it, and a cell's value shown
+    bare: an ``Out[]`` that is only a plain-text repr (a number, None, an object's repr), where what a notebook
+    means to show is a table, a chart or HTML."""
+    found = []
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            kind = output.get("output_type")
+            if kind == "stream":
+                for line in re.sub(r"\x1b\[[0-9;]*m", "", output.get("text", "")).splitlines():
+                    if not line.strip():
+                        continue
+                    if output.get("name") == "stderr" and not any(p.fullmatch(line.strip()) for p in EXPECTED_STDERR):
+                        found.append(f"cell {cell.id} stderr: {line}")
+                    elif "Warning" in line:
+                        found.append(f"cell {cell.id} printed: {line}")
+            elif kind == "execute_result" and set(output.get("data", {})) <= {"text/plain"}:
+                found.append(f"cell {cell.id} shows a bare value: {output.get('data', {}).get('text/plain', '')[:200]}")
+    return found
+
+
 def assert_summary_has_numbers(html: str) -> None:
     """The end-of-run summary: finished, steps, tokens/s with numbers, loss, RAM (and VRAM on CUDA)."""
     text = re.sub(r"<[^>]+>", " ", html)
@@ -191,6 +220,89 @@ def test_notebook_is_clean_with_parameters_first(name):
     assert set(PARAMS[name]) <= set(params), "the CI parameters must exist in the notebook"
     # the second code cell is the setup cell, which goes through colab_setup.sh via nbkit.setup
     assert "nbkit.setup" in code_cells[1].source and "--no-deps" in code_cells[1].source
+
+
+def _homepage() -> str:
+    return re.search(r'^Homepage = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_opens_in_colab_and_says_to_pick_a_gpu_runtime(name):
+    """The first cell links the notebook in Colab (from the project's repository), and before the parameters a cell
+    says how to pick a GPU runtime and what a CPU runtime runs instead."""
+    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    github = _homepage().removeprefix("https://github.com/")
+    link = f"https://colab.research.google.com/github/{github}/blob/main/notebooks/{name}.ipynb"
+    first = nb.cells[0]
+    assert first.cell_type == "markdown" and first.source.startswith("[![Open In Colab]("), first.source[:200]
+    assert f"]({link})" in first.source.splitlines()[0]
+    before_parameters = nb.cells[:next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")]
+    text = " ".join(" ".join(c.source.split()) for c in before_parameters)
+    assert "*Runtime > Change runtime type" in text and "GPU*" in text and "*Runtime > Run all*" in text
+    assert "On a CPU runtime (Colab's default)" in text and "tiny randomly initialised" in text
+
+
+def test_quickstart_says_how_to_bring_your_own_jsonl_on_colab():
+    nb = nbformat.read(NOTEBOOKS / "01_qlora_quickstart.ipynb", as_version=4)
+    text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    assert "files.upload()" in text and 'own_data = "/content/my_chats.jsonl"' in text  # upload
+    assert 'drive.mount("/content/drive")' in text and 'own_data = "/content/drive/MyDrive/' in text  # Drive
+    params = {}
+    exec(next(c for c in nb.cells if c.cell_type == "code").source, {}, params)
+    assert "own_data" in params
+
+
+def test_the_install_line_brings_what_the_notebooks_import():
+    """Every module the notebooks import is the standard library's, the kernel's (IPython), nbkit's, or comes with a
+    distribution nbkit-sft requires or its ``notebooks`` extra adds; the README's pip line and colab_setup.sh
+    install that extra."""
+    from importlib import metadata
+
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+    def name(requirement: str) -> str:
+        return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", requirement).group(0)).lower()
+
+    installed = {name(r) for r in project["dependencies"] + project["optional-dependencies"]["notebooks"]}
+    owners = metadata.packages_distributions()
+    modules = set()
+    for n in NAMES:
+        for node in ast.parse(notebook_imports(n)).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            modules |= {m.split(".")[0] for m in names}
+    assert "matplotlib" in modules  # 02's charts
+    missing = {}
+    for module in sorted(modules - set(sys.stdlib_module_names) - {"nbkit", "IPython"}):
+        dists = {name(d) for d in owners.get(module, [module])}
+        if not dists & installed:
+            missing[module] = sorted(dists)
+    assert missing == {}, f"imported by a notebook, installed by neither the core nor the notebooks extra: {missing}"
+    readme = (ROOT / "README.md").read_text()
+    assert 'pip install "nbkit-sft[notebooks] @ git+https://github.com/nbkit/nbkit"' in readme
+    assert "EXTRA=notebooks" in (ROOT / "colab_setup.sh").read_text()  # tests/test_colab_setup.py runs it
+
+
+def test_stray_outputs_names_warnings_stderr_lines_and_bare_values_and_lets_expected_lines_pass():
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("x")
+    cell.id = "c1"
+    cell.outputs = [
+        nbformat.v4.new_output("stream", name="stdout", text="loss 0.1\nlearning rate 3e-3\n"),
+        nbformat.v4.new_output("stream", name="stderr", text="nbkit chat: decoding with model.generate: no CUDA device\n"),
+        nbformat.v4.new_output("execute_result", data={"text/markdown": "| a |", "text/plain": "<Markdown>"}),
+    ]
+    nb.cells.append(cell)
+    assert stray_outputs(nb) == []
+    cell.outputs += [
+        nbformat.v4.new_output("stream", name="stderr", text="/x.py:1: UserWarning: pinned\n  warnings.warn(\n"),
+        nbformat.v4.new_output("stream", name="stdout", text="FutureWarning: old name\n"),
+        nbformat.v4.new_output("execute_result", data={"text/plain": "1815"}),
+        nbformat.v4.new_output("execute_result", data={"text/plain": "None"}),
+    ]
+    assert stray_outputs(nb) == ["cell c1 stderr: /x.py:1: UserWarning: pinned", "cell c1 stderr:   warnings.warn(",
+                                 "cell c1 printed: FutureWarning: old name", "cell c1 shows a bare value: 1815",
+                                 "cell c1 shows a bare value: None"]
 
 
 def test_setup_cells_are_the_same_everywhere():
@@ -313,6 +425,36 @@ def test_forecast_is_exact_for_a_fixed_part_plus_quadratic_growth_and_errs_high_
     assert forecast([(4096, 1.0)], 2048) is None and forecast([], 1024) is None
 
 
+def test_answer_loss_is_the_loss_on_the_answer_tokens_training_covers(tmp_path, one_thread):
+    """The notebooks' held-out loss counts the tokens TRL trains a conversational prompt-completion row on: those
+    after the prompt with its generation prompt (the answer and its end of turn), not the question's."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nbkit.demo.models import build_base
+    from nbkit.notebook import answer_loss
+
+    build_base(tmp_path / "base", "qwen3", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "base"))
+    pairs = [("Reverse the words: red fox moon", "moon fox red"), ("Reverse the words: a b", "b a")]
+    total = count = every_total = every_count = 0.0
+    for question, answer in pairs:
+        prompt = [{"role": "user", "content": question}]
+        prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=True)["input_ids"]
+        ids = tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": answer}],
+                                            return_dict=True)["input_ids"]
+        assert ids[:len(prompt_ids)] == prompt_ids and len(ids) > len(prompt_ids)
+        with torch.no_grad():
+            losses = torch.nn.functional.cross_entropy(model(input_ids=torch.tensor([ids])).logits[0, :-1],
+                                                       torch.tensor(ids[1:]), reduction="none")
+        total += float(losses[len(prompt_ids) - 1:].sum())
+        count += len(ids) - len(prompt_ids)
+        every_total, every_count = every_total + float(losses.sum()), every_count + len(ids) - 1
+    assert answer_loss(model, tokenizer, pairs) == pytest.approx(total / count, rel=1e-5)
+    assert abs(answer_loss(model, tokenizer, pairs) - every_total / every_count) > 1e-3  # not every token's
+
+
 class FakeHostCost:
     """Stands in for HostPeak: reports the host bytes a fake try "used" above this process's resident set."""
 
@@ -403,6 +545,7 @@ def run(name: str, workdir: Path, block: tuple[str, ...] = (), params: dict | No
     seconds = time.perf_counter() - start
     problems = errors(nb)
     assert not problems, "\n\n".join(problems)
+    assert stray_outputs(nb) == [], "\n".join(stray_outputs(nb))
     results = json.loads((workdir / params["output_dir"] / "results.json").read_text())
     print(f"{name}: {seconds:.0f} s")
     return nb, results

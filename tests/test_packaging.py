@@ -205,8 +205,8 @@ def unrelated_nbkit_wheel(folder: Path) -> Path:
 
 def venv_with_unrelated_nbkit(dists: dict, path: Path) -> Path:
     """A fresh venv with pip, holding the unrelated nbkit 0.0.10 (installed by pip) and, as metadata only, the
-    dependencies nbkit-sft declares at the versions this environment has: pip then resolves nothing and downloads
-    nothing, and what it installs is this project alone."""
+    dependencies nbkit-sft declares (with its notebooks extra) at the versions this environment has: pip then
+    resolves nothing and downloads nothing, and what it installs is this project alone."""
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
     python = path / "bin" / "python"
     wheel = unrelated_nbkit_wheel(path.parent)
@@ -220,8 +220,8 @@ def venv_with_unrelated_nbkit(dists: dict, path: Path) -> Path:
     with zipfile.ZipFile(dists["wheel"]) as whl:
         meta_name = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
         requires = email.message_from_bytes(whl.read(meta_name)).get_all("Requires-Dist") or []
-    for requirement in requires:
-        if "extra ==" in requirement:
+    for requirement in requires:  # the core and the notebooks' extra (colab_setup.sh installs it)
+        if "extra ==" in requirement and not re.search(r"extra == ['\"]notebooks['\"]", requirement):
             continue
         name = re.match(r"[A-Za-z0-9._-]+", requirement).group(0)
         info = site / f"{name.replace('-', '_')}-{metadata.version(name)}.dist-info"

@@ -1,4 +1,6 @@
 # %% [markdown]
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/nbkit/nbkit/blob/main/notebooks/01_qlora_quickstart.ipynb)
+#
 # # QLoRA fine-tuning in one notebook, with nbkit
 #
 # Load a model in 4-bit with LoRA adapters, build a chat dataset with the model's own chat template, train with
@@ -10,11 +12,14 @@
 # `"moon fox red"`). It is generated, so it needs no download, and scored on held-out prompts.
 
 # %% [markdown]
-# **Run it**: *Run all*. The first code cell holds the parameters (tagged `parameters`, so papermill or nbclient
-# can override them). With `model_name="auto"` the notebook trains the real model on a GPU, and with no GPU a tiny
-# randomly initialised model of the same architecture, saved to a local folder with nbkit's demo tokenizer, so the
-# whole notebook also runs on a CPU: about a minute on two cores with these defaults. Both go through the same
-# `nbkit.load_model(path)` call.
+# **Run it on Colab**: pick a GPU first: *Runtime > Change runtime type > T4 GPU* (the free one) and *Save*; then
+# *Runtime > Run all*. The setup cell installs nbkit; if it asks for a restart, *Runtime > Restart session* and run
+# all again. With `model_name="auto"` the notebook fine-tunes Qwen/Qwen3-1.7B in 4 bits on the GPU (a few minutes
+# on a T4). On a CPU runtime (Colab's default) it still runs to the end, on a tiny randomly initialised model of
+# the same architecture saved to a local folder with nbkit's demo tokenizer (the model cell says which it took):
+# that shows every step working, not what fine-tuning teaches a real model; about three minutes on two cores. Both
+# go through the same `nbkit.load_model(path)` call. The first code cell holds the parameters (tagged `parameters`,
+# so papermill or nbclient can override them).
 
 # %% tags=["parameters"]
 # Parameters
@@ -30,7 +35,7 @@ batch_size = None  # packed rows per step
 learning_rate = None
 train_examples = 2000
 eval_examples = 16  # held-out prompts scored before and after
-own_data = None  # path of a JSONL file with one {"messages": [...]} per line, to train on instead of the demo
+own_data = None  # path of your JSONL file, one {"messages": [...]} per line, to train on instead of the demo
 gguf_quant = "q8_0"  # GGUF type: f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0 (nbkit.export.QUANT_TYPES)
 output_dir = "nbkit-out/01_qlora_quickstart"  # everything this notebook writes goes here
 nbkit_source = "nbkit-sft @ git+https://github.com/nbkit/nbkit"  # what setup installs: this, a wheel or a checkout
@@ -43,7 +48,7 @@ seed = 0
 # (--no-deps: nothing is resolved, so nothing can replace torch), then its colab_setup.sh pins torch and
 # installs the rest. Its distribution is named nbkit-sft (the import stays `nbkit`): "nbkit" on PyPI is another
 # project, whose files would shadow these, so a distribution of that name is removed first. Elsewhere (your
-# machine, CI) this cell does nothing: pip install "nbkit-sft @ git+https://github.com/nbkit/nbkit" yourself.
+# machine, CI) this cell does nothing: pip install "nbkit-sft[notebooks] @ git+https://github.com/nbkit/nbkit" yourself.
 import importlib, os, subprocess, sys
 from importlib import metadata
 
@@ -90,6 +95,7 @@ else:
 # %%
 import gc
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -99,8 +105,8 @@ from nbkit import FastSFT, FastSFTConfig, load_model
 from nbkit.demo.models import Recipe
 from nbkit.loading import pick_compute_dtype
 from nbkit.memory import fmt_bytes
-from nbkit.notebook import (RunProbe, answers, demo_chat_dataset, exact_match, keep_trainable_fp32, md_table,
-                            pick_model, sequence_loss, to_prompt_completion)
+from nbkit.notebook import (RunProbe, answer_loss, answers, demo_chat_dataset, exact_match, keep_trainable_fp32,
+                            md_table, pick_model, to_prompt_completion)
 
 out = Path(output_dir)
 out.mkdir(parents=True, exist_ok=True)
@@ -128,7 +134,6 @@ model, tokenizer = load_model(
     choice.path,
     load_in_4bit=load_in_4bit,
     lora_r=lora_r,
-    max_seq_length=recipe.max_length,
     # the tiny recipe trains embeddings and head in full: a random-init model has none for LoRA to steer
     modules_to_save=list(recipe.modules_to_save) or None,
 )
@@ -170,7 +175,19 @@ print(tokenizer.apply_chat_template(example["prompt"] + example["completion"], t
 #                                     {"role": "assistant", "content": r["output"]}]})
 # ```
 #
-# Then set `own_data = "my_chats.jsonl"` in the parameters and run all again.
+# **Your file on Colab.** Upload it: the folder icon on the left, then the upload icon; it lands in `/content`, so
+# `own_data = "/content/my_chats.jsonl"`. (In a cell: `from google.colab import files; files.upload()`.) An
+# uploaded file is gone when the runtime is recycled; to keep it, put it in Google Drive and mount Drive:
+#
+# ```python
+# from google.colab import drive
+# drive.mount("/content/drive")  # asks for permission once
+# own_data = "/content/drive/MyDrive/my_chats.jsonl"
+# ```
+#
+# On Kaggle: *Add Input > Upload* a dataset, then `own_data = "/kaggle/input/<its name>/my_chats.jsonl"`. Set
+# `own_data` in the parameters cell and run all again. The held-out scores below stay those of the demo's task:
+# judge your own data by chatting with the model after training.
 
 # %%
 my_file = out / "my_chats.jsonl"
@@ -189,16 +206,23 @@ print(tokenizer.apply_chat_template(mine[0]["prompt"] + mine[0]["completion"], t
 
 # %% [markdown]
 # ## Before training: answers on held-out prompts
+#
+# The model is scored on prompts it never trains on, with two numbers:
+#
+# - **exact match**: the share of them answered exactly right (greedy decoding, the answer compared as text);
+# - **answer loss**: the mean cross-entropy per token of the expected answers, the tokens training's loss covers
+#   (the prompt is not counted). Lower is better; 0 would be certainty. `exp(-loss)` is the probability the model
+#   gives a right answer token, on average (geometric mean): printed beside it as "token probability".
 
 # %%
 eval_pairs = demo_pairs(eval_examples, split="eval", seed=seed)
 questions = [q for q, _ in eval_pairs]
 references = [a for _, a in eval_pairs]
 before = answers(model, tokenizer, questions)
-results["loss_before"] = sequence_loss(model, tokenizer, eval_pairs)
+results["loss_before"] = answer_loss(model, tokenizer, eval_pairs)
 results["exact_match_before"] = exact_match(before, references)
-print(f"exact match before training: {results['exact_match_before']:.0%}, "
-      f"held-out loss {results['loss_before']:.3f}")
+print(f"before training, on {len(eval_pairs)} held-out prompts: exact match {results['exact_match_before']:.0%}, "
+      f"answer loss {results['loss_before']:.3f} (token probability {math.exp(-results['loss_before']):.1%})")
 
 # %% [markdown]
 # ## Train with FastSFT and the live dashboard
@@ -231,7 +255,7 @@ trainer = FastSFT(model=model, args=config, train_dataset=train_dataset, process
 keep_trainable_fp32(trainer)
 probe = RunProbe()
 trainer.add_callback(probe)
-trainer.train()
+train_output = trainer.train()  # TRL's summary (steps, runtime, mean loss): the dashboard above shows it
 
 # %%
 from nbkit.dashboard import LiveDashboard
@@ -251,7 +275,7 @@ results.update(
 )
 md_table(["", ""], [
     ["steps", results["steps"]],
-    ["loss", f"{results['loss_first']:.3f} -> {results['loss_last']:.3f}"],
+    ["training loss (first -> last step)", f"{results['loss_first']:.3f} -> {results['loss_last']:.3f}"],
     ["tokens/s (after the first step)", f"{results['tokens_per_second']:,.0f}"],
     ["peak VRAM", fmt_bytes(results["peak_vram"])],
     ["nbkit speedups used", ", ".join(results["nbkit_attached"]) or "none"],
@@ -264,9 +288,11 @@ md_table(["", ""], [
 after = answers(model, tokenizer, questions)
 results["exact_match_after"] = exact_match(after, references)
 results["answers_after"] = after
-results["loss_trained"] = sequence_loss(model, tokenizer, eval_pairs)
-print(f"exact match: {results['exact_match_before']:.0%} -> {results['exact_match_after']:.0%}; "
-      f"held-out loss {results['loss_before']:.3f} -> {results['loss_trained']:.3f}")
+results["loss_trained"] = answer_loss(model, tokenizer, eval_pairs)
+print(f"on {len(eval_pairs)} held-out prompts, before -> after training: exact match "
+      f"{results['exact_match_before']:.0%} -> {results['exact_match_after']:.0%}; answer loss "
+      f"{results['loss_before']:.3f} -> {results['loss_trained']:.3f} (token probability "
+      f"{math.exp(-results['loss_before']):.1%} -> {math.exp(-results['loss_trained']):.1%})")
 md_table(["question", "expected", "before", "after"],
          [[q, r, b, a] for q, r, b, a in list(zip(questions, references, before, after))[:8]])
 
@@ -311,10 +337,10 @@ base = AutoModelForCausalLM.from_pretrained(choice.path, quantization_config=qua
 keep_4bit_trainable(base)
 with quiet_peft_wrap():  # PEFT reads a checkpointing name transformers deprecated: its FutureWarning, not yours
     reloaded = PeftModel.from_pretrained(base, str(adapter_dir))
-results["loss_reloaded"] = sequence_loss(reloaded, tokenizer, eval_pairs)
+results["loss_reloaded"] = answer_loss(reloaded, tokenizer, eval_pairs)
 tolerance = 1e-4 if compute_dtype == torch.float32 else 1e-2
 gap = abs(results["loss_reloaded"] - results["loss_trained"]) / results["loss_trained"]
-print(f"held-out loss: trained {results['loss_trained']:.5f}, reloaded adapter {results['loss_reloaded']:.5f} "
+print(f"answer loss: trained {results['loss_trained']:.5f}, reloaded adapter {results['loss_reloaded']:.5f} "
       f"(relative gap {gap:.1e}, tolerance {tolerance:.0e})")
 assert gap <= tolerance, "the reloaded adapter is not the trained one"
 del reloaded, base
@@ -344,11 +370,11 @@ print(merged_dir, sorted(p.name for p in merged_dir.iterdir()))
 merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=merge_dtype, device_map=device_map)
 merged_tokenizer = AutoTokenizer.from_pretrained(str(merged_dir))
 results["merged_dtype"] = str(merged.dtype).replace("torch.", "")
-results["loss_merged"] = sequence_loss(merged, merged_tokenizer, eval_pairs)
+results["loss_merged"] = answer_loss(merged, merged_tokenizer, eval_pairs)
 merged_answers = answers(merged, merged_tokenizer, questions)
 results["exact_match_merged"] = exact_match(merged_answers, references)
 results["merged_agrees_with_adapter"] = exact_match(merged_answers, after)
-print(f"merged {results['merged_dtype']} model: held-out loss {results['loss_merged']:.3f} "
+print(f"merged {results['merged_dtype']} model: answer loss {results['loss_merged']:.3f} "
       f"(before training {results['loss_before']:.3f}, trained 4-bit {results['loss_trained']:.3f}); "
       f"exact match {results['exact_match_merged']:.0%}; same answer as the adapter on "
       f"{results['merged_agrees_with_adapter']:.0%} of prompts")
@@ -392,11 +418,12 @@ del gguf_model
 (out / "results.json").write_text(json.dumps(results, indent=2))
 md_table(["", ""], [
     ["model", choice.describe()],
-    ["loss (training)", f"{results['loss_first']:.3f} -> {results['loss_last']:.3f}"],
+    ["training loss (first -> last step)", f"{results['loss_first']:.3f} -> {results['loss_last']:.3f}"],
     ["tokens/s", f"{results['tokens_per_second']:,.0f}"],
     ["peak VRAM", fmt_bytes(results["peak_vram"])],
-    ["exact match", f"{results['exact_match_before']:.0%} -> {results['exact_match_after']:.0%} "
-                    f"(merged: {results['exact_match_merged']:.0%})"],
+    ["exact match (held-out prompts)", f"{results['exact_match_before']:.0%} -> {results['exact_match_after']:.0%} "
+                                       f"(merged: {results['exact_match_merged']:.0%})"],
+    ["answer loss (held-out answers)", f"{results['loss_before']:.3f} -> {results['loss_trained']:.3f}"],
     ["adapter", str(adapter_dir)],
     ["merged 16-bit model", str(merged_dir)],
     ["GGUF", f"{gguf_report.path} ({gguf_quant})"],

@@ -1,4 +1,6 @@
 # %% [markdown]
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/nbkit/nbkit/blob/main/notebooks/02_speed_lab.ipynb)
+#
 # # Speed lab: every nbkit switch on and off, next to plain TRL
 #
 # The same short run (same model, data, seed and hyper-parameters) with TRL's plain `SFTTrainer`, with
@@ -11,11 +13,14 @@
 # a GPU. The loss overlay means the same everywhere.
 
 # %% [markdown]
-# **Run it**: *Run all*. The first code cell holds the parameters (tagged `parameters`, so papermill or nbclient
-# can override them). With `model_name="auto"` the notebook trains the real model on a GPU, and with no GPU a tiny
-# randomly initialised model of the same architecture, saved to a local folder with nbkit's demo tokenizer, so the
-# whole notebook also runs on a CPU: 7 to 20 minutes (every variant trains 30 steps; a smaller `max_steps` gives a quicker look) on two cores with these defaults. Both go through the same
-# `nbkit.load_model(path)` call.
+# **Run it on Colab**: pick a GPU first: *Runtime > Change runtime type > T4 GPU* (the free one) and *Save*; then
+# *Runtime > Run all*. The setup cell installs nbkit; if it asks for a restart, *Runtime > Restart session* and run
+# all again. With `model_name="auto"` the notebook trains Qwen/Qwen3-1.7B on the GPU. On a CPU runtime (Colab's
+# default) it still runs to the end, on a tiny randomly initialised model of the same architecture saved to a local
+# folder with nbkit's demo tokenizer (the first cell after setup says which it took): 7 to 20 minutes on two cores
+# (every variant trains 30 steps; a smaller `max_steps` gives a quicker look), and its speed bars then measure
+# Python overhead, not GPU kernels. Both go through the same `nbkit.load_model(path)` call. The first code cell
+# holds the parameters (tagged `parameters`, so papermill or nbclient can override them).
 
 # %% tags=["parameters"]
 # Parameters
@@ -39,7 +44,7 @@ seed = 0
 # (--no-deps: nothing is resolved, so nothing can replace torch), then its colab_setup.sh pins torch and
 # installs the rest. Its distribution is named nbkit-sft (the import stays `nbkit`): "nbkit" on PyPI is another
 # project, whose files would shadow these, so a distribution of that name is removed first. Elsewhere (your
-# machine, CI) this cell does nothing: pip install "nbkit-sft @ git+https://github.com/nbkit/nbkit" yourself.
+# machine, CI) this cell does nothing: pip install "nbkit-sft[notebooks] @ git+https://github.com/nbkit/nbkit" yourself.
 import importlib, os, subprocess, sys
 from importlib import metadata
 
@@ -146,6 +151,7 @@ common = dict(
     logging_steps=1,
     save_strategy="no",
     report_to="none",
+    dataloader_pin_memory=torch.cuda.is_available(),  # pinning needs a GPU to copy to (torch warns on a CPU)
     seed=seed,
 )
 

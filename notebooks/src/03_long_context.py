@@ -1,4 +1,6 @@
 # %% [markdown]
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/nbkit/nbkit/blob/main/notebooks/03_long_context.ipynb)
+#
 # # Long context: the longest sequence that trains on this GPU, plain TRL against FastSFT
 #
 # How long a row fits decides whether you can fine-tune on long documents at all. This notebook finds, on your GPU
@@ -23,11 +25,14 @@
 # the search stops at host memory, time or its limit, and the CPU run shows that both paths run and agree.
 
 # %% [markdown]
-# **Run it**: *Run all*. The first code cell holds the parameters (tagged `parameters`, so papermill or nbclient
-# can override them). With `model_name="auto"` the notebook trains the real model on a GPU, and with no GPU a tiny
-# randomly initialised model of the same architecture, saved to a local folder with nbkit's demo tokenizer, so the
-# whole notebook also runs on a CPU: about a minute on two cores with these defaults. Both go through the same
-# `nbkit.load_model(path)` call.
+# **Run it on Colab**: pick a GPU first: *Runtime > Change runtime type > T4 GPU* (the free one) and *Save*; then
+# *Runtime > Run all*. The setup cell installs nbkit; if it asks for a restart, *Runtime > Restart session* and run
+# all again. With `model_name="auto"` the notebook searches with the real model on the GPU. On a CPU runtime
+# (Colab's default) it still runs to the end, on a tiny randomly initialised model of the same architecture saved
+# to a local folder with nbkit's demo tokenizer (the model cell says which it took): there is no VRAM to find the
+# limit of, so it shows that both trainers run and agree; about two minutes on two cores. Both go through the same
+# `nbkit.load_model(path)` call. The first code cell holds the parameters (tagged `parameters`, so papermill or
+# nbclient can override them).
 
 # %% tags=["parameters"]
 # Parameters
@@ -54,7 +59,7 @@ seed = 0
 # (--no-deps: nothing is resolved, so nothing can replace torch), then its colab_setup.sh pins torch and
 # installs the rest. Its distribution is named nbkit-sft (the import stays `nbkit`): "nbkit" on PyPI is another
 # project, whose files would shadow these, so a distribution of that name is removed first. Elsewhere (your
-# machine, CI) this cell does nothing: pip install "nbkit-sft @ git+https://github.com/nbkit/nbkit" yourself.
+# machine, CI) this cell does nothing: pip install "nbkit-sft[notebooks] @ git+https://github.com/nbkit/nbkit" yourself.
 import importlib, os, subprocess, sys
 from importlib import metadata
 
@@ -209,6 +214,7 @@ def try_length(length, path):
         learning_rate=0.0, max_length=length, packing=False, bf16=compute_dtype == torch.bfloat16,
         fp16=compute_dtype == torch.float16, logging_steps=1, save_strategy="no", report_to="none",
         disable_tqdm=True, seed=seed,
+        dataloader_pin_memory=torch.cuda.is_available(),  # pinning needs a GPU to copy to (torch warns on a CPU)
         # gradient_checkpointing=True under this transformers' name (5.2x renamed it: SFTConfig warns on the old)
         **checkpointing_args(True, {"use_reentrant": False}),
     )

@@ -1,4 +1,6 @@
 # %% [markdown]
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/nbkit/nbkit/blob/main/notebooks/04_moe_finetune.ipynb)
+#
 # # Fine-tune a mixture-of-experts model
 #
 # QLoRA on an MoE model: Qwen3-30B-A3B (128 experts, 8 per token) or gpt-oss-20b on a GPU, a tiny
@@ -12,15 +14,19 @@
 # `load_in_4bit=False`: its experts ship in MXFP4, which transformers dequantizes to bf16 for training.
 
 # %% [markdown]
-# **Run it**: *Run all*. The first code cell holds the parameters (tagged `parameters`, so papermill or nbclient
-# can override them). With `model_name="auto"` the notebook trains the real model on a GPU, and with no GPU a tiny
-# randomly initialised model of the same architecture, saved to a local folder with nbkit's demo tokenizer, so the
-# whole notebook also runs on a CPU: about four minutes on two cores with these defaults. Both go through the same
-# `nbkit.load_model(path)` call.
+# **Run it on Colab**: pick a GPU first: *Runtime > Change runtime type > H100 GPU* (Colab Pro: Qwen3-30B-A3B needs
+# about 65 GB of GPU memory) and *Save*; then *Runtime > Run all*. The setup cell installs nbkit; if it asks for a restart,
+# *Runtime > Restart session* and run all again. With `model_name="auto"` the notebook trains Qwen3-30B-A3B on a
+# GPU with room for it; on a smaller one (a T4) it says so and trains the tiny model instead. On a CPU runtime
+# (Colab's default) it also runs to the end on a tiny randomly initialised `qwen3_moe` saved to a local folder with
+# nbkit's demo tokenizer (the model cell says which it took): that shows every step working, not what fine-tuning
+# teaches a real model; about four minutes on two cores. Both go through the same `nbkit.load_model(path)` call.
+# The first code cell holds the parameters (tagged `parameters`, so papermill or nbclient can override them).
 
 # %% tags=["parameters"]
 # Parameters
-model_name = "auto"  # "auto": Qwen/Qwen3-30B-A3B on a GPU, a tiny local qwen3_moe without one; "openai/gpt-oss-20b"
+model_name = "auto"  # "auto": Qwen/Qwen3-30B-A3B on a GPU with 70 GiB, else a tiny local MoE; "openai/gpt-oss-20b"
+min_gpu_gib = 70  # "auto" takes the real model on a GPU with at least this much memory
 tiny_family = "qwen3_moe"  # the tiny model's architecture: qwen3_moe, mixtral or gpt_oss
 load_in_4bit = True
 lora_r = 16
@@ -44,7 +50,7 @@ seed = 0
 # (--no-deps: nothing is resolved, so nothing can replace torch), then its colab_setup.sh pins torch and
 # installs the rest. Its distribution is named nbkit-sft (the import stays `nbkit`): "nbkit" on PyPI is another
 # project, whose files would shadow these, so a distribution of that name is removed first. Elsewhere (your
-# machine, CI) this cell does nothing: pip install "nbkit-sft @ git+https://github.com/nbkit/nbkit" yourself.
+# machine, CI) this cell does nothing: pip install "nbkit-sft[notebooks] @ git+https://github.com/nbkit/nbkit" yourself.
 import importlib, os, subprocess, sys
 from importlib import metadata
 
@@ -99,9 +105,9 @@ import nbkit
 from nbkit import FastSFT, FastSFTConfig, load_model
 from nbkit.demo.data import demo_pairs
 from nbkit.loading import pick_compute_dtype
-from nbkit.memory import fmt_bytes
+from nbkit.memory import device_memory, fmt_bytes
 from nbkit.notebook import (RunProbe, answers, demo_chat_dataset, exact_match, feature, keep_trainable_fp32,
-                            md_table, pick_model, sequence_loss)
+                            md_table, pick_model, answer_loss)
 
 missing = []
 ok, message = feature("nbkit.speedups.moe", "FastMoERouting")
@@ -127,8 +133,14 @@ out.mkdir(parents=True, exist_ok=True)
 compute_dtype = pick_compute_dtype()
 device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA GPU"
-choice = pick_model(model_name, gpu_default="Qwen/Qwen3-30B-A3B", tiny_family=tiny_family,
-                    folder=out / "tiny-base", seed=seed)
+gpu_bytes = device_memory().total if torch.cuda.is_available() else None
+name = model_name
+if model_name == "auto" and gpu_bytes is not None and gpu_bytes < min_gpu_gib * 2**30:
+    print(f"{gpu} has {fmt_bytes(gpu_bytes)}: too little for Qwen3-30B-A3B (about 65 GB), so the tiny model trains "
+          "instead. On a GPU of 48 GB or more: model_name='openai/gpt-oss-20b', load_in_4bit=False (about 45 GB).")
+    name = "tiny"
+choice = pick_model(name, gpu_default="Qwen/Qwen3-30B-A3B", tiny_family=tiny_family, folder=out / "tiny-base",
+                    seed=seed)
 lr = learning_rate if learning_rate is not None else (3e-3 if choice.tiny else 1e-4)
 print(f"nbkit {nbkit.__version__}, torch {torch.__version__}, {gpu}, compute dtype {compute_dtype}")
 print("model:", choice.describe())
@@ -136,7 +148,7 @@ print("model:", choice.describe())
 
 def load():
     torch.manual_seed(seed)
-    return load_model(choice.path, load_in_4bit=load_in_4bit, lora_r=lora_r, max_seq_length=max_length,
+    return load_model(choice.path, load_in_4bit=load_in_4bit, lora_r=lora_r,
                       modules_to_save=["embed_tokens", "lm_head"] if choice.tiny else None)
 
 
@@ -152,6 +164,10 @@ results = {"model": choice.path, "tiny": choice.tiny, "experts": experts, "routi
 
 # %% [markdown]
 # ## Data and answers before training
+#
+# The model is scored on prompts it never trains on: **exact match**, the share of them answered exactly right
+# (greedy decoding), and **answer loss**, the mean cross-entropy per token of the expected answers (the tokens
+# training's loss covers; the prompt is not counted): lower is better, 0 would be certainty.
 
 # %%
 train_dataset = demo_chat_dataset(train_examples, split="train", seed=seed)
@@ -159,9 +175,10 @@ eval_pairs = demo_pairs(eval_examples, split="eval", seed=seed)
 questions = [q for q, _ in eval_pairs]
 references = [a for _, a in eval_pairs]
 before = answers(model, tokenizer, questions)
-results["loss_before"] = sequence_loss(model, tokenizer, eval_pairs)
+results["loss_before"] = answer_loss(model, tokenizer, eval_pairs)
 results["exact_match_before"] = exact_match(before, references)
-print(f"exact match before: {results['exact_match_before']:.0%}, held-out loss {results['loss_before']:.3f}")
+print(f"before training, on {len(eval_pairs)} held-out prompts: exact match {results['exact_match_before']:.0%}, "
+      f"answer loss {results['loss_before']:.3f}")
 
 # %% [markdown]
 # ## Train with FastSFT (fast MoE routing on, where this nbkit has it)
@@ -199,9 +216,9 @@ if routing_available and not routing_used:
 after = answers(model, tokenizer, questions)
 results["exact_match_after"] = exact_match(after, references)
 results["answers_after"] = after
-results["loss_trained"] = sequence_loss(model, tokenizer, eval_pairs)
-print(f"exact match {results['exact_match_before']:.0%} -> {results['exact_match_after']:.0%}; "
-      f"held-out loss {results['loss_before']:.3f} -> {results['loss_trained']:.3f}")
+results["loss_trained"] = answer_loss(model, tokenizer, eval_pairs)
+print(f"on {len(eval_pairs)} held-out prompts: exact match {results['exact_match_before']:.0%} -> "
+      f"{results['exact_match_after']:.0%}; answer loss {results['loss_before']:.3f} -> {results['loss_trained']:.3f}")
 md_table(["question", "expected", "before", "after"],
          [[q, r, b, a] for q, r, b, a in list(zip(questions, references, before, after))[:6]])
 
@@ -242,10 +259,10 @@ base = AutoModelForCausalLM.from_pretrained(choice.path, quantization_config=qua
 keep_4bit_trainable(base)
 with quiet_peft_wrap():  # PEFT reads a checkpointing name transformers deprecated: its FutureWarning, not yours
     reloaded = PeftModel.from_pretrained(base, str(adapter_dir))
-results["loss_reloaded"] = sequence_loss(reloaded, tokenizer, eval_pairs)
+results["loss_reloaded"] = answer_loss(reloaded, tokenizer, eval_pairs)
 tolerance = 1e-4 if compute_dtype == torch.float32 else 1e-2
 gap = abs(results["loss_reloaded"] - results["loss_trained"]) / results["loss_trained"]
-print(f"adapter saved to {adapter_dir}; reloaded: held-out loss {results['loss_reloaded']:.5f} vs trained "
+print(f"adapter saved to {adapter_dir}; reloaded: answer loss {results['loss_reloaded']:.5f} vs trained "
       f"{results['loss_trained']:.5f} (relative gap {gap:.1e}, tolerance {tolerance:.0e})")
 assert gap <= tolerance, "the reloaded adapter is not the trained one"
 del reloaded, base
@@ -295,7 +312,9 @@ elif not routing_available:
     print("skipped: there is no nbkit MoE routing to compare with (see the check at the top)")
 else:
     print("skipped (compare_plain_routing=False)")
-(out / "results.json").write_text(json.dumps(results, indent=2))
+results_file = out / "results.json"
+results_file.write_text(json.dumps(results, indent=2))
+print("numbers so far:", results_file)
 
 # %% [markdown]
 # ## Merge and export GGUF for llama.cpp and Ollama
@@ -327,4 +346,5 @@ if export_to_gguf is True or (export_to_gguf == "auto" and choice.tiny):
         print(gguf_report.modelfile.read_text())
 else:
     print("GGUF export skipped (export_to_gguf=True to merge and export this model)")
-(out / "results.json").write_text(json.dumps(results, indent=2))
+results_file.write_text(json.dumps(results, indent=2))
+print("all numbers:", results_file)
