@@ -118,7 +118,7 @@ class FastSFT(ReliableTraining, SFTTrainer):
         self.nbkit_path: FastPath = decide(self.model, self.args, self.data_collator,
                                            user_collator=self._nbkit_user_collator, compute_metrics=reads_logits)
         if self.nbkit_path.reason:
-            logger.warning(self.nbkit_path.reason)
+            logger.log(self.nbkit_path.level, self.nbkit_path.reason)
         if self.nbkit_path.no_checkpointing:
             self._no_checkpointing()
         self._trainable_precision()

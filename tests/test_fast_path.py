@@ -187,6 +187,8 @@ def test_a_family_packed_attention_does_not_cover_keeps_trls_batches_without_war
         want, got = train(plain), train(fast)
     assert "not validated" not in "".join(r.getMessage() for r in caplog.records
                                           if r.name.startswith("nbkit.speedups"))
+    said = [r for r in caplog.records if r.name == "nbkit.trainer" and "cached_packing off" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO  # said once, and no warning a TRL user does not get
     assert not any(s.startswith("cached_packing") for s in fast.nbkit_attached)
     assert_same_series(got.losses, want.losses, Tol(rtol=1e-5, atol=1e-6))
 
@@ -275,22 +277,3 @@ def test_metrics_that_read_logits_get_trls_eval_batches(tok, tmp_path):
     rows = trainers["packed"].args.per_device_eval_batch_size
     assert next(iter(trainers["packed"].get_eval_dataloader()))["input_ids"].shape[0] == 1
     assert next(iter(trainers["reads"].get_eval_dataloader()))["input_ids"].shape[0] == rows  # TRL's padded rows
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# precision
-
-
-@pytest.mark.parametrize("bf16", [False, True])
-def test_trainable_weights_are_not_left_below_the_compute_precision(tok, tmp_path, bf16):
-    """TRL's QLoRA recipe casts trainable weights to bf16; without mixed precision (a CPU) they would meet fp32
-    activations outside the trainer. Under bf16 mixed precision TRL's bf16 stays."""
-    from parity import add_lora
-
-    model = add_lora(tiny_lm("qwen3", tokenizer=tok))
-    for param in model.parameters():
-        if param.requires_grad:
-            param.data = param.data.to(torch.bfloat16)  # what TRL does to a quantized model's adapters
-    fast = fast_sft(tmp_path, model=model, lora=False, bf16=bf16)
-    dtypes = {p.dtype for p in fast.model.parameters() if p.requires_grad}
-    assert dtypes == ({torch.bfloat16} if bf16 else {torch.float32})

@@ -27,11 +27,15 @@ Contract: ``decide(model, args, collator, user_collator=..., compute_metrics=...
   ``preprocess_logits_for_metrics`` read the logits (whose shape would then be the flattened batch's, not TRL's).
 - ``off``: speedups turned off for this run although their switch is on, each with its reason (``fused_kernels``
   under TRL's own ``use_liger_kernel``: Liger's kernels are patched in already).
-- ``reason``: the one line to log when anything fell back (None when every switched-on speedup applies).
+- ``reason``: the one line to log when anything fell back (None when every switched-on speedup applies), at
+  ``level``: a warning where the whole run keeps TRL's path or the user's own collator turned packing off; an info
+  line where a speedup quietly keeps TRL's path for the model (a family packed attention does not cover: the run
+  is TRL's there, and a TRL user gets no warning for it).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -62,6 +66,7 @@ class FastPath:
     packed_eval: bool = False
     off: dict[str, str] = field(default_factory=dict)
     reason: Optional[str] = None
+    level: int = logging.INFO
 
     def allows(self, name: str) -> bool:
         """Whether the speedup ``name`` (a ``SPEEDUPS`` row) may be built for this run."""
@@ -151,7 +156,7 @@ def decide(model: Any, args: Any, collator: Any, *, user_collator: bool = False,
             no_checkpointing = ("gradient checkpointing off: checkpointed layers drop the prefix's key/values (with it "
                                 "on, SFTTrainer fails at the first step)")
         also = f"; {no_checkpointing}" if no_checkpointing else ""
-        return FastPath(plain=True, no_checkpointing=no_checkpointing,
+        return FastPath(plain=True, no_checkpointing=no_checkpointing, level=logging.WARNING,
                         reason=f"nbkit: {why}, which nbkit's speedups were not built for; training exactly as "
                                f"SFTTrainer does (its collator, batches and loss){also}")
     off: dict[str, str] = {}
@@ -173,4 +178,5 @@ def decide(model: Any, args: Any, collator: Any, *, user_collator: bool = False,
     if off:
         said = "; ".join(f"{name} off ({why})" for name, why in off.items())
         reason = f"nbkit: {said}: TRL's own path for {'it' if len(off) == 1 else 'them'}"
-    return FastPath(packed=packed, packed_eval=packed and not compute_metrics, off=off, reason=reason)
+    level = logging.WARNING if user_collator and "cached_packing" in off else logging.INFO
+    return FastPath(packed=packed, packed_eval=packed and not compute_metrics, off=off, reason=reason, level=level)
