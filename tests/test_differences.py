@@ -88,4 +88,4 @@ def test_every_setting_the_differences_table_names_is_one_fastsftconfig_accepts(
         assert name in FastSFTConfig.__dataclass_fields__, name
         if name in SWITCH_VALUES:
             assert value_problem(name, value) is None, name
-        FastSFTConfig(output_dir="unused", use_cpu=True, live_dashboard=False, **{name: value})  # accepted
+        FastSFTConfig(**{"output_dir": "unused", "use_cpu": True, "live_dashboard": False, name: value})  # accepted
