@@ -122,7 +122,8 @@ class FastSFT(ReliableTraining, SFTTrainer):
         if self.nbkit_path.no_checkpointing:
             self._no_checkpointing()
         self._trainable_precision()
-        self.nbkit_collator = self._packed_collator() if self.nbkit_path.packed else None
+        self.nbkit_collator: PackedCollator | None = self._packed_collator() if self.nbkit_path.packed else None
+        self._nbkit_trl_collator = self.data_collator  # one set later by the user is theirs: never swapped
         self.add_callback(self._train_stage)
         self._maybe_add_dashboard()
 
@@ -172,8 +173,8 @@ class FastSFT(ReliableTraining, SFTTrainer):
     @contextlib.contextmanager
     def _nbkit_batches(self, collator: PackedCollator | None) -> Iterator[None]:
         """``collator`` as ``self.data_collator`` while a data loader is built (it keeps the collator it was given);
-        TRL's again after."""
-        if collator is None:
+        TRL's again after. A collator the user set after construction is left to build the batches."""
+        if collator is None or self.data_collator is not self._nbkit_trl_collator:
             yield
             return
         trl_collator, self.data_collator = self.data_collator, collator

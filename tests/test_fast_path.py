@@ -1,9 +1,9 @@
 """FastSFT decides once, before anything changes, which speedups a run takes (``nbkit.speedups.fast_path``), and
 what it hands the user stays SFTTrainer's.
 
-- A model or adapter the speedups were not built for (conv/SSM hybrids, PEFT prompt learning) trains exactly as
-  SFTTrainer: the same collator type and output, the same batches, the same losses (bitwise: the same code runs),
-  no speedup attached, one line saying why.
+- A model the speedups were not built for (conv/SSM hybrids) trains exactly as SFTTrainer: the same collator type
+  and output, the same batches, the same losses (bitwise: the same code runs), no speedup attached, one line saying
+  why (PEFT prompt learning: ``test_prompt_learning.py``).
 - A family whose packed attention is not validated keeps TRL's collator and batches (no half-applied packing, no
   warning from packed attention at attach); the other speedups still apply (losses within 1e-5 relative, fp32).
 - ``trainer.data_collator`` is TRL's; nbkit's packed batches come from FastSFT's own data loaders only, and user code
@@ -20,11 +20,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from parity import Tol, assert_same_series, fast_sft, tiny_lm, train
+from parity import Tol, assert_same_batches, assert_same_series, fast_sft, first_batch, tiny_lm, train
 from trl import SFTTrainer
 
 from nbkit.demo.tokenizer import load_demo_tokenizer
-from nbkit.speedups.fast_path import decide, prompt_learning, sequence_mixer
+from nbkit.speedups.fast_path import decide, sequence_mixer
 
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16)
@@ -55,20 +55,6 @@ def _both(tmp_path, make_model, **settings):
             for cls in (SFTTrainer, FastSFT)]
 
 
-def _first_batch(trainer):
-    return next(iter(trainer.get_train_dataloader()))
-
-
-def _assert_same_batches(plain, fast, rows: int = 4):
-    examples = [plain.train_dataset[i] for i in range(rows)]
-    assert type(fast.data_collator) is type(plain.data_collator)
-    for ours, theirs in ((fast.data_collator(examples), plain.data_collator(examples)),
-                         (_first_batch(fast), _first_batch(plain))):
-        assert ours.keys() == theirs.keys()
-        for key, value in theirs.items():
-            assert torch.equal(ours[key], value) if isinstance(value, torch.Tensor) else ours[key] == value, key
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # models and adapters that keep TRL's own path
 
@@ -83,7 +69,7 @@ def test_a_conv_hybrid_trains_exactly_as_sfttrainer_with_one_line_saying_why(tok
     lines = [r.getMessage() for r in caplog.records if r.name == "nbkit.trainer"]
     assert len(lines) == 1 and "conv" in lines[0] and "exactly as SFTTrainer" in lines[0], lines
     assert fast.nbkit_path.plain and fast.nbkit_collator is None
-    _assert_same_batches(plain, fast)
+    assert_same_batches(plain, fast)
     if packing:
         return
     want, got = train(plain), train(fast)
@@ -125,52 +111,6 @@ def test_a_one_d_convolution_in_the_layers_marks_a_model_the_config_does_not_des
     assert "convolution" in sequence_mixer(model)
 
 
-def _prompt_configs():
-    from peft import PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig
-
-    return {
-        "prompt_tuning": PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
-        "p_tuning": PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, encoder_hidden_size=32),
-        "prefix_tuning": PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
-    }
-
-
-@pytest.mark.parametrize("method", ["prompt_tuning", "p_tuning", "prefix_tuning"])
-@pytest.mark.parametrize("wrapped", [False, True], ids=["peft_config", "get_peft_model"])
-def test_prompt_learning_trains_exactly_as_sfttrainer(tok, tmp_path, method, wrapped):
-    """Prompt tuning, P-tuning and prefix tuning, given as peft_config= or on a model already wrapped by
-    get_peft_model: TRL's path (its padded batches), the same losses, and the prompt parameters learn."""
-    from peft import get_peft_model
-
-    def make():
-        model = tiny_lm("qwen3", tokenizer=tok)
-        if wrapped:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                model = get_peft_model(model, _prompt_configs()[method])
-        return model
-
-    from nbkit import FastSFT
-
-    lora = False if wrapped else _prompt_configs()[method]
-    settings = dict(lora=lora, packing=False, learning_rate=1e-2, gradient_checkpointing=True)
-    # prefix tuning fails under gradient checkpointing in SFTTrainer; FastSFT turns it off, and trains as SFTTrainer
-    # does without it
-    plain = fast_sft(tmp_path / "plain", trainer_cls=SFTTrainer, model=make(),
-                     **{**settings, "gradient_checkpointing": method != "prefix_tuning"})
-    fast = fast_sft(tmp_path / "fast", trainer_cls=FastSFT, model=make(), **settings)
-    assert fast.nbkit_path.plain and prompt_learning(fast.model) is not None
-    assert bool(fast.nbkit_path.no_checkpointing) == (method == "prefix_tuning")
-    _assert_same_batches(plain, fast)
-    before = {n: p.detach().clone() for n, p in fast.model.named_parameters() if p.requires_grad}
-    want, got = train(plain), train(fast)
-    assert fast.nbkit_attached == []
-    assert_same_series(got.losses, want.losses)
-    assert all(torch.isfinite(torch.tensor(got.losses)))
-    moved = [n for n, p in fast.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
-    assert moved, "no prompt parameter was trained"
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # cached_packing decided with the model: TRL's collator kept where packed attention cannot run
 
@@ -183,7 +123,7 @@ def test_a_family_packed_attention_does_not_cover_keeps_trls_batches_without_war
         plain, fast = _both(tmp_path, make, packing=False, lora=None)
         assert not fast.nbkit_path.plain and not fast.nbkit_path.packed
         assert "cached_packing" in fast.nbkit_path.off and fast.nbkit_collator is None
-        _assert_same_batches(plain, fast)
+        assert_same_batches(plain, fast)
         want, got = train(plain), train(fast)
     assert "not validated" not in "".join(r.getMessage() for r in caplog.records
                                           if r.name.startswith("nbkit.speedups"))
@@ -235,16 +175,18 @@ def test_data_collator_is_sfttrainers_and_nbkits_batches_come_from_its_loaders(t
     assert ours.keys() == theirs.keys()
     for key, value in theirs.items():
         assert torch.equal(ours[key], value) if isinstance(value, torch.Tensor) else ours[key] == value
-    packed = _first_batch(fast)
+    packed = first_batch(fast)
     assert packed["input_ids"].shape[0] == 1 and "nbkit_cu_seqlens_host" in packed
     assert type(fast.data_collator) is type(plain.data_collator)  # the loader's collator was a scoped swap
+    fast.data_collator = plain.data_collator  # one the user sets later builds the batches
+    assert "nbkit_cu_seqlens_host" not in first_batch(fast)
 
 
 def test_user_code_moves_nbkits_batch_to_a_device_and_feeds_it_to_the_model(tok, tmp_path):
     from accelerate.utils import send_to_device
 
     fast = fast_sft(tmp_path, model=tiny_lm("qwen3", tokenizer=tok), lora=None)
-    batch = _first_batch(fast)
+    batch = first_batch(fast)
     moved = {k: v.to("cpu") for k, v in batch.items()}
     assert moved.keys() == batch.keys()
     assert send_to_device(batch, "cpu")["nbkit_cu_seqlens_host"] == batch["nbkit_cu_seqlens_host"]
@@ -255,7 +197,7 @@ def test_user_code_moves_nbkits_batch_to_a_device_and_feeds_it_to_the_model(tok,
 
 def test_packed_metadata_travels_inside_the_batch_from_a_worker_process(tok, tmp_path):
     fast = fast_sft(tmp_path, model=tiny_lm("qwen3", tokenizer=tok), lora=None, dataloader_num_workers=1)
-    batch = _first_batch(fast)
+    batch = first_batch(fast)
     host = batch["nbkit_cu_seqlens_host"]
     assert host[-1] == batch["input_ids"].shape[1] and host.to("cpu") is host
     assert list(host) == batch["cu_seq_lens_q"].tolist()
