@@ -88,7 +88,9 @@ class FastSFT(ReliableTraining, SFTTrainer):
     the FLOPs estimate transformers logs takes the model's parameter count once per run (``step_flops``), and the
     step's gradient clip and ``zero_grad`` walk the trainable parameters only (``step_walks``).
 
-    What wraps a run is written once, in ``train``: see ``_nbkit_run``.
+    What wraps a run is written once, in ``train``: see ``_nbkit_run``. What the run takes was decided when it was
+    built: ``nbkit_path`` (a ``fast_path.FastPath``); ``nbkit_collator`` is the packed collator its own data loaders
+    use (None where ``cached_packing`` does not apply), ``data_collator`` TRL's.
 
     Reliability (``ReliableTraining``, ``nbkit.reliability``): inputs are checked before TRL prepares them
     (``validate_inputs``); an out-of-memory step raises ``TrainingOutOfMemoryError`` naming the step, the memory and
