@@ -219,3 +219,15 @@ def test_metrics_that_read_logits_get_trls_eval_batches(tok, tmp_path):
     rows = trainers["packed"].args.per_device_eval_batch_size
     assert next(iter(trainers["packed"].get_eval_dataloader()))["input_ids"].shape[0] == 1
     assert next(iter(trainers["reads"].get_eval_dataloader()))["input_ids"].shape[0] == rows  # TRL's padded rows
+
+
+def test_a_mamba_hybrid_trains_exactly_as_sfttrainer(tok, tmp_path):
+    """Nemotron-H (Mamba-2 mixers beside attention, MoE and MLP layers), padded rows: TRL's path, bitwise."""
+    make = lambda: _tiny("nemotron_h", tok, num_hidden_layers=2, layers_block_type=["linear_attention", "full_attention"],  # noqa: E731
+                         mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=16)
+    plain, fast = _both(tmp_path, make, packing=False, lora=None, max_steps=2)
+    assert fast.nbkit_path.plain and "linear_attention" in fast.nbkit_path.reason
+    assert_same_batches(plain, fast)
+    want, got = train(plain), train(fast)
+    assert fast.nbkit_attached == [] and len(got.losses) == 2
+    assert_same_series(got.losses, want.losses)
