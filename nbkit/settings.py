@@ -16,6 +16,9 @@ Contract:
 - ``mixed_precision(bf16, fp16, use_cpu)``: the user's choice stands; a choice left open (None) is filled from the
   hardware training will run on: bf16 where it is fast, fp16 on GPUs without fast bf16 (a T4), fp32 on a CPU. It
   returns the pair and, when nbkit chose, the one line to log.
+- ``trainable_dtype(bf16, fp16, compute)``: the lowest precision trainable weights may hold: fp32 under fp16 mixed
+  precision (the gradient scaler unscales fp32 gradients only), bf16 under bf16 mixed precision, else the model's
+  own compute dtype (fp32 on a CPU): never lower than what the run computes in.
 - ``pin_memory(value, use_cpu)``: the user's choice stands; left open, pinning is on only with an accelerator to
   copy to (pinned memory without one does nothing and torch warns about it every epoch).
 - ``length_problem(name, value)``: the one rule for a length or size (``max_length``, ``max_seq_length``, the
@@ -254,6 +257,18 @@ def mixed_precision(bf16: Optional[bool], fp16: Optional[bool], use_cpu: bool = 
     unset = "bf16 and fp16 were" if fp16 is None else "bf16 was"
     line = f"nbkit: training in {chosen[kind]}: {why}; {unset} not set (pass bf16= or fp16= to choose)"
     return kind == "bf16", kind == "fp16", line
+
+
+def trainable_dtype(bf16: bool, fp16: bool, compute: Any) -> Any:
+    """The lowest precision (a ``torch.dtype``) trainable weights may hold in a run with these mixed-precision
+    settings and a model computing in ``compute`` without them (see the module docstring)."""
+    import torch
+
+    if fp16:
+        return torch.float32
+    if bf16:
+        return torch.bfloat16
+    return compute
 
 
 def pin_memory(value: Optional[bool], use_cpu: bool = False) -> bool:

@@ -6,8 +6,21 @@ and memory only. Each speedup is an object this trainer owns, attached to the mo
 What happens when something goes wrong (bad inputs, OOM, non-finite loss, a kill mid-save, resume) is
 ``nbkit.reliability.trainer_mixin.ReliableTraining``, which this trainer inherits.
 
-Under fp16 mixed precision (a T4: what ``FastSFTConfig`` picks there), trainable weights that TRL cast to bf16 (its
-QLoRA recipe, meant for bf16 GPUs) are put back in fp32: fp16's gradient scaler cannot unscale bf16 gradients.
+What the run takes is decided once, in ``__init__``, from what ``SFTTrainer.__init__`` built (the model with its
+adapter, TRL's collator) and the settings, before nbkit changes anything (``nbkit.speedups.fast_path``): a model or
+adapter the speedups were not built for (conv/SSM hybrids, PEFT prompt learning) trains exactly as ``SFTTrainer``
+does, and a speedup that cannot apply whole is left out, each said in one line.
+
+Batches: ``trainer.data_collator`` stays TRL's (what ``SFTTrainer`` returns for the same settings). nbkit's
+``PackedCollator`` (padding-free batches with host-built boundaries) is given only to the data loaders this trainer
+builds for training and evaluation (``get_train_dataloader`` / ``get_eval_dataloader``), when ``cached_packing``
+applies.
+
+Precision: trainable weights never sit in a lower precision than the run computes in
+(``nbkit.settings.trainable_dtype``). TRL casts a quantized model's trainable weights to bf16 (its QLoRA recipe,
+meant for bf16 GPUs); under fp16 mixed precision (a T4) they go back to fp32 (fp16's gradient scaler cannot unscale
+bf16 gradients), and without mixed precision (a CPU) to the model's compute dtype, so the trained model runs
+outside the trainer (``chat``, ``generate``) as it trained.
 
 One setting TRL changes on the model is handed back too: ``SFTTrainer.__init__`` sets ``output_router_logits=True``
 on a MoE config (for the load-balancing loss), with which a padded ``generate`` fails at its first decode step. It
@@ -27,7 +40,10 @@ from trl import SFTConfig, SFTTrainer
 from . import speedups
 from .chat import release_decoders
 from .config import FastSFTConfig, read_numbers
+from .model_parts import unwrap_model
 from .reliability.trainer_mixin import ReliableTraining
+from .settings import trainable_dtype
+from .speedups.fast_path import FastPath, decide
 from .speedups.labelled_head import LABELLED_KEY
 from .speedups.ledger import Speedup
 from .speedups.packed_attention import PackedCollator
@@ -72,7 +88,9 @@ class FastSFT(ReliableTraining, SFTTrainer):
     the FLOPs estimate transformers logs takes the model's parameter count once per run (``step_flops``), and the
     step's gradient clip and ``zero_grad`` walk the trainable parameters only (``step_walks``).
 
-    What wraps a run is written once, in ``train``: see ``_nbkit_run``.
+    What wraps a run is written once, in ``train``: see ``_nbkit_run``. What the run takes was decided when it was
+    built: ``nbkit_path`` (a ``fast_path.FastPath``); ``nbkit_collator`` is the packed collator its own data loaders
+    use (None where ``cached_packing`` does not apply), ``data_collator`` TRL's.
 
     Reliability (``ReliableTraining``, ``nbkit.reliability``): inputs are checked before TRL prepares them
     (``validate_inputs``); an out-of-memory step raises ``TrainingOutOfMemoryError`` naming the step, the memory and
@@ -98,28 +116,40 @@ class FastSFT(ReliableTraining, SFTTrainer):
             config, user, _ = self._nbkit_router
             self._nbkit_router = (config, user, config.output_router_logits)
             config.output_router_logits = user
-        if self.args.fp16:
-            self._fp32_trainable_weights()
-        if _switch(self.args, "cached_packing"):
-            self._install_packed_collator()
+        reads_logits = self.compute_metrics is not None or self.preprocess_logits_for_metrics is not None
+        self.nbkit_path: FastPath = decide(self.model, self.args, self.data_collator,
+                                           user_collator=self._nbkit_user_collator, compute_metrics=reads_logits)
+        if self.nbkit_path.reason:
+            logger.log(self.nbkit_path.level, self.nbkit_path.reason)
+        if self.nbkit_path.no_checkpointing:
+            self._no_checkpointing()
+        self._trainable_precision()
+        self.nbkit_collator: PackedCollator | None = self._packed_collator() if self.nbkit_path.packed else None
+        self._nbkit_trl_collator = self.data_collator  # one set later by the user is theirs: never swapped
         self.add_callback(self._train_stage)
         self._maybe_add_dashboard()
 
     # -- setup ---------------------------------------------------------------------------------------------------------
-    def _fp32_trainable_weights(self) -> None:
-        """fp16 mixed precision keeps the trainable weights in fp32 (the scaler unscales their gradients there)."""
+    def _trainable_precision(self) -> None:
+        """Trainable weights in no lower a precision than the run computes in (``settings.trainable_dtype``)."""
+        floor = trainable_dtype(bool(self.args.bf16), bool(self.args.fp16), _compute_dtype(self.model))
         for param in self.model.parameters():
-            if param.requires_grad and param.dtype == torch.bfloat16:
-                param.data = param.data.float()
+            if param.requires_grad and param.is_floating_point() and param.dtype.itemsize < floor.itemsize:
+                param.data = param.data.to(floor)
 
-    def _install_packed_collator(self) -> None:
-        """Make every batch padding-free with host-built boundaries (TRL's own collator underneath)."""
+    def _no_checkpointing(self) -> None:
+        """Gradient checkpointing off for this run (``FastPath.no_checkpointing`` says why), in the settings under
+        both of transformers' names and on the model if it was on already."""
+        for name in ("gradient_checkpointing", "activation_checkpointing"):
+            if getattr(self.args, name, None):
+                setattr(self.args, name, False)
+        base = unwrap_model(self.model)
+        if getattr(base, "is_gradient_checkpointing", False):
+            base.gradient_checkpointing_disable()
+
+    def _packed_collator(self) -> PackedCollator:
+        """Padding-free batches with host-built boundaries, TRL's own collator underneath."""
         collator = self.data_collator
-        if self._nbkit_user_collator or not isinstance(collator, DataCollatorForLanguageModeling):
-            if self._nbkit_user_collator:
-                logger.warning("nbkit: a custom data_collator was given; cached packing is off (plain path)")
-            self._nbkit_packing_enabled = False
-            return
         if not collator.padding_free:
             # Packing off: TRL already truncated rows to max_length; flattening them changes no numbers.
             collator = DataCollatorForLanguageModeling(
@@ -128,8 +158,32 @@ class FastSFT(ReliableTraining, SFTTrainer):
                 pad_to_multiple_of=collator.pad_to_multiple_of,
                 return_tensors=collator.return_tensors,
             )
-        self.data_collator = PackedCollator(collator, labelled=bool(_switch(self.args, "sync_free_metrics")))
-        self._nbkit_packing_enabled = True
+        labelled = bool(_switch(self.args, "sync_free_metrics")) and self.nbkit_path.allows("sync_free_metrics")
+        return PackedCollator(collator, labelled=labelled)
+
+    def get_train_dataloader(self):
+        """Transformers' training data loader, its batches collated by nbkit's packed collator where it applies."""
+        with self._nbkit_batches(self.nbkit_collator):
+            return super().get_train_dataloader()
+
+    def get_eval_dataloader(self, eval_dataset: Any = None):
+        """Transformers' evaluation data loader; packed batches where the packed collator applies and no metric reads
+        the logits (their shape is TRL's batch's)."""
+        with self._nbkit_batches(self.nbkit_collator if self.nbkit_path.packed_eval else None):
+            return super().get_eval_dataloader(eval_dataset)
+
+    @contextlib.contextmanager
+    def _nbkit_batches(self, collator: PackedCollator | None) -> Iterator[None]:
+        """``collator`` as ``self.data_collator`` while a data loader is built (it keeps the collator it was given);
+        TRL's again after. A collator the user set after construction is left to build the batches."""
+        if collator is None or self.data_collator is not self._nbkit_trl_collator:
+            yield
+            return
+        trl_collator, self.data_collator = self.data_collator, collator
+        try:
+            yield
+        finally:
+            self.data_collator = trl_collator
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any):
         """TRL's loss; the collator's list of labelled positions is for ``sync_free_metrics`` only, never the model's."""
@@ -194,17 +248,18 @@ class FastSFT(ReliableTraining, SFTTrainer):
         if self._nbkit_active:  # nested (evaluate() inside train()): already attached
             yield self._speedups
             return
-        packed = getattr(self, "_nbkit_packing_enabled", False)
+        path = self.nbkit_path
+        packed = path.packed
         self._nbkit_active = True
         self._nbkit_micro_batches = 0
         self._speedups = []
         try:
             for stage, target in (("model", self.model), ("trainer", self)):
-                for speedup in speedups.build(stage, self.args, packed):
+                for speedup in speedups.build(stage, self.args, packed, path=path):
                     if speedup.attach(target):
                         self._speedups.append(speedup)
             self.nbkit_attached = self.active_speedups
-            self._train_stage.pending = speedups.build("train", self.args, packed, self.train_dataset)
+            self._train_stage.pending = speedups.build("train", self.args, packed, self.train_dataset, path)
             yield self._speedups
         finally:
             self.nbkit_attached = self.active_speedups
@@ -235,6 +290,27 @@ class FastSFT(ReliableTraining, SFTTrainer):
             yield
         finally:
             config.output_router_logits = before
+
+
+def _compute_dtype(model: Any) -> torch.dtype:
+    """The dtype ``model``'s matmuls run in without mixed precision: a quantized base's compute dtype, else the dtype
+    most of its frozen floating-point weights hold, else its own."""
+    base = unwrap_model(model)
+    quantization = getattr(getattr(base, "config", None), "quantization_config", None)
+    compute = getattr(quantization, "bnb_4bit_compute_dtype", None) if quantization is not None else None
+    if isinstance(quantization, dict):
+        compute = quantization.get("bnb_4bit_compute_dtype")
+    if isinstance(compute, str):
+        compute = getattr(torch, compute.replace("torch.", ""), None)
+    if isinstance(compute, torch.dtype):
+        return compute
+    sizes: dict[torch.dtype, int] = {}
+    for param in model.parameters():
+        if not param.requires_grad and param.is_floating_point():
+            sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
+    if sizes:
+        return max(sizes, key=sizes.__getitem__)
+    return getattr(base, "dtype", torch.float32)
 
 
 def _router_setting(model: Any, given_by_name: bool = False) -> tuple[Any, Any, Any] | None:

@@ -22,7 +22,8 @@ Contract:
   restores the same bytes. Pass ``Tol(rtol=, atol=)`` (elementwise, as ``torch.testing.assert_close``:
   ``|got - want| <= atol + rtol |want|``) where a path sums the same terms in another order, or ``Tol(scaled=)``
   (per tensor ``max |got - want| <= scaled * max |want|``) where small entries carry only rounding. A failure names
-  the step, the parameter and the gap.
+  the step, the parameter and the gap. ``assert_same_batches(plain, fast)`` compares two trainers' collators and
+  first batches (the same type, keys and values).
 """
 
 from __future__ import annotations
@@ -291,3 +292,24 @@ def assert_same_run(got: Run, want: Run, *, losses: Optional[Tol] = BITWISE, gra
             assert_same_tensors(g, w, grads, where=f"gradient of step {step}")
     if weights is not None:
         assert_same_tensors(got.weights, want.weights, weights, where="final weight")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# batches
+
+
+def first_batch(trainer: Any) -> dict[str, Any]:
+    """The first batch of the trainer's own training data loader."""
+    return next(iter(trainer.get_train_dataloader()))
+
+
+def assert_same_batches(plain: Any, fast: Any, rows: int = 4) -> None:
+    """``fast``'s collator is of ``plain``'s type and returns the same batch for the same ``rows`` prepared rows, and
+    both trainers' data loaders start with the same batch: keys, tensors (bitwise) and other values."""
+    examples = [plain.train_dataset[i] for i in range(rows)]
+    assert type(fast.data_collator) is type(plain.data_collator)
+    for ours, theirs in ((fast.data_collator(examples), plain.data_collator(examples)),
+                         (first_batch(fast), first_batch(plain))):
+        assert ours.keys() == theirs.keys()
+        for key, value in theirs.items():
+            assert torch.equal(ours[key], value) if isinstance(value, torch.Tensor) else ours[key] == value, key

@@ -2,8 +2,9 @@
 where TRL's own collator puts -100 (prompt-completion data with completion-only loss, conversational data with
 assistant_only_loss), packed or not.
 
-Packed, both collators are padding-free and the batches must be equal. Unpacked, TRL pads rows while nbkit
-flattens them (``PackedCollator`` over TRL's padding-free collator): each row's labels from its second token on
+Packed, both collators are padding-free and the batches must be equal. Unpacked, TRL pads rows while nbkit's
+collator (``trainer.nbkit_collator``, which FastSFT's own data loaders use) flattens them (``PackedCollator`` over TRL's
+padding-free collator): each row's labels from its second token on
 must be TRL's, and its first label -100 (in a padded row it is never a target; in a flattened row it would be
 predicted from the previous document).
 """
@@ -46,7 +47,7 @@ def test_packed_batches_are_trls(tok, tmp_path, fmt, extra):
     plain, fast = _trainers(tok, tmp_path, fmt, extra, packing=True)
     rows = [plain.train_dataset[i] for i in range(4)]
     assert rows == [fast.train_dataset[i] for i in range(4)]
-    ours, theirs = fast.data_collator(rows), plain.data_collator(rows)
+    ours, theirs = fast.nbkit_collator(rows), plain.data_collator(rows)
     assert torch.equal(ours["input_ids"], theirs["input_ids"])
     assert torch.equal(ours["labels"], theirs["labels"])
     masked = ours["labels"] == -100
@@ -58,7 +59,7 @@ def test_packed_batches_are_trls(tok, tmp_path, fmt, extra):
 def test_unpacked_rows_keep_trls_masks(tok, tmp_path, fmt, extra):
     plain, fast = _trainers(tok, tmp_path, fmt, extra, packing=False)
     rows = [plain.train_dataset[i] for i in range(4)]
-    ours, theirs = fast.data_collator(rows), plain.data_collator(rows)
+    ours, theirs = fast.nbkit_collator(rows), plain.data_collator(rows)
     flat = ours["labels"][0]
     start = 0
     for i, row in enumerate(rows):

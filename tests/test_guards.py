@@ -345,3 +345,57 @@ def test_a_plain_sftconfig_max_length_below_one_is_named_by_the_length_rule(toke
     with pytest.raises(InputError) as caught:
         check(make_dataset("text", n=4), tokenizer, args)
     assert str(caught.value) == f"max_length={value}: use None or a positive int (a number of tokens)"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TRL's exception types kept
+
+
+def _both_raise(tokenizer, tmp_path, dataset, **settings):
+    """The exception SFTTrainer raises for ``dataset`` and the one FastSFT raises."""
+    from trl import SFTTrainer
+
+    from nbkit.demo.models import tiny_model
+
+    caught = []
+    for trainer_cls, config_cls, extra in ((SFTTrainer, SFTConfig, {}), (FastSFT, FastSFTConfig, {"live_dashboard": False})):
+        args = config_cls(output_dir=str(tmp_path / trainer_cls.__name__), bf16=False, use_cpu=True, report_to=[],
+                          **settings, **extra)
+        model = tiny_model("qwen3", len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+        with pytest.raises(Exception) as error:
+            trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+        caught.append(error.value)
+    return caught
+
+
+@pytest.mark.parametrize("splits", ["DatasetDict", "dict"])
+def test_a_dataset_dict_is_trls_type_error_and_names_the_split_to_pass(tokenizer, tmp_path, splits):
+    from datasets import DatasetDict
+
+    from nbkit.reliability.guards import DatasetTypeError
+
+    data = {"train": make_dataset("text", n=4), "test": make_dataset("text", n=2)}
+    trl_error, ours = _both_raise(tokenizer, tmp_path, DatasetDict(data) if splits == "DatasetDict" else data)
+    assert isinstance(trl_error, TypeError)
+    assert isinstance(ours, TypeError) and isinstance(ours, DatasetTypeError)
+    assert "pass dataset['train']" in str(ours) and "columns" not in str(ours)
+
+
+@pytest.mark.parametrize("columns", [{"foo": ["a b"]}, {"prompt": ["a b"]}])
+def test_missing_columns_are_trls_key_error(tokenizer, tmp_path, columns):
+    trl_error, ours = _both_raise(tokenizer, tmp_path, Dataset.from_dict(columns))
+    assert isinstance(trl_error, KeyError) and isinstance(ours, KeyError) and isinstance(ours, InputError)
+    assert not str(ours).startswith("'")  # the message itself, not KeyError's quoted form
+
+
+def test_a_chat_without_an_assistant_turn_is_trls_runtime_error(tokenizer, tmp_path):
+    data = Dataset.from_list([{"messages": chat(("user", "hi"))}, {"messages": chat(("user", "a"), ("assistant", "b"))}])
+    trl_error, ours = _both_raise(tokenizer, tmp_path, data, assistant_only_loss=True)
+    assert isinstance(trl_error, RuntimeError) and isinstance(ours, RuntimeError) and isinstance(ours, InputError)
+    assert "row 0" in str(ours)
+
+
+def test_a_list_of_rows_is_trls_type_error(tokenizer, tmp_path):
+    trl_error, ours = _both_raise(tokenizer, tmp_path, [{"text": "a b"}])
+    assert isinstance(trl_error, TypeError) and isinstance(ours, TypeError)
+    assert "Dataset.from_list" in str(ours)

@@ -1,12 +1,14 @@
 """The README's code runs on a CPU: the "Use it" snippet as written, with only the model name pointed at a local folder
 (no hub here) and fewer steps (mixed precision follows the hardware, training runs, and ``chat`` answers); the "Your
-own data" script exactly as written (it builds its own local model and data)."""
+own data" script exactly as written (it builds its own local model and data), followed by the "After training"
+section's ``chat`` line, as a reader runs them one after the other."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -37,7 +39,8 @@ def test_use_it_snippet_runs_as_written_on_a_cpu(tmp_path, monkeypatch, one_thre
 
 
 @pytest.mark.slow
-def test_your_own_data_script_runs_as_written_and_trains_the_assistant_turns_only(tmp_path, monkeypatch, one_thread):
+def test_your_own_data_script_runs_as_written_and_trains_the_assistant_turns_only(tmp_path, monkeypatch, one_thread,
+                                                                                    capsys):
     code = _snippet("## Your own data")
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
@@ -49,3 +52,12 @@ def test_your_own_data_script_runs_as_written_and_trains_the_assistant_turns_onl
     # assistant_only_loss: the labels of a prepared row cover the answers and their end of turn, not the questions
     trained = scope["tokenizer"].decode([t for t in trainer.train_dataset[0]["labels"] if t != -100])
     assert "Reverse" not in trained and "user" not in trained and "<|im_end|>" in trained, trained
+    # the trained model runs outside the trainer as it trained: its trainable weights in the compute dtype (fp32 on
+    # a CPU, not TRL's bf16 QLoRA cast), so the next section's chat line answers
+    assert {p.dtype for p in trainer.model.parameters() if p.requires_grad} == {torch.float32}
+    after = _snippet("## After training: chat, merge, GGUF").splitlines()
+    lines = [line for line in after if line.startswith(("from nbkit.chat import", "chat("))]
+    assert len(lines) == 2, f"the README's chat lines changed: {lines}; update this test"
+    capsys.readouterr()
+    exec(compile("\n".join(lines), str(README), "exec"), scope)
+    assert capsys.readouterr().out.strip(), "chat printed no answer"

@@ -7,8 +7,15 @@ assistant turn trains on nothing, ``completion_only_loss=True`` on plain text tr
 first, on the raw rows, with messages a notebook user can act on.
 
 Contract: ``validate_training_inputs`` (called by ``FastSFT`` before ``SFTTrainer.__init__``; off with
-``validate_inputs=False``) raises ``InputError`` (a ``ValueError``) on
+``validate_inputs=False``) raises ``InputError`` (a ``ValueError``) on the inputs below. Where TRL itself raises an
+error of another type for the same input, nbkit's is also of that type (a subclass of both), so code that catches
+TRL's error catches nbkit's: ``DatasetTypeError`` (a ``TypeError``) for a train_dataset that is no ``Dataset`` or
+``IterableDataset`` (a ``DatasetDict`` of splits: "pass dataset['train']"), ``ColumnError`` (a ``KeyError``) for
+missing columns, ``AssistantTurnError`` (a ``RuntimeError``) for a chat with no assistant turn under
+``assistant_only_loss=True``. Where TRL fails by accident of its code (``StopIteration`` on an empty dataset, an
+``AttributeError`` or a template error on a bad row), the error is an ``InputError`` raised before TRL's.
 
+- a train_dataset that is not one dataset (a ``DatasetDict`` / dict of splits, a list);
 - an empty dataset; a dataset without the columns of a format TRL reads (``text`` / ``dataset_text_field``,
   ``messages``, ``prompt`` + ``completion``, ``input_ids``);
 - a row whose field is missing or not a string (or, for chats, not a list of ``{"role", "content"}`` messages with
@@ -45,7 +52,8 @@ from typing import Any, Callable, Iterator, Sequence
 from ..settings import combination_problem, length_problem
 from .sharegpt import from_sharegpt, sharegpt_form
 
-__all__ = ["InputError", "DataFormat", "detect_format", "validate_training_inputs", "from_sharegpt"]
+__all__ = ["InputError", "DatasetTypeError", "ColumnError", "AssistantTurnError", "DataFormat", "detect_format",
+           "validate_training_inputs", "from_sharegpt"]
 
 ITERABLE_ROWS = 1000
 LENGTH_SAMPLE = 2000
@@ -59,6 +67,37 @@ logger = logging.getLogger(__name__)
 
 class InputError(ValueError):
     """A dataset or setting that cannot train as intended; the message names the row or the setting."""
+
+
+class DatasetTypeError(InputError, TypeError):
+    """A train_dataset of a type TRL refuses with a ``TypeError`` (a ``DatasetDict`` of splits, a list)."""
+
+
+class ColumnError(InputError, KeyError):
+    """A dataset without the columns TRL reads (TRL fails with a ``KeyError`` naming the column)."""
+
+    __str__ = BaseException.__str__  # KeyError's would quote the message
+
+
+class AssistantTurnError(InputError, RuntimeError):
+    """A chat with no assistant turn to train on under ``assistant_only_loss`` (TRL: a ``RuntimeError``)."""
+
+
+def check_dataset_type(name: str, dataset: Any) -> None:
+    """``DatasetTypeError`` unless ``dataset`` is one ``datasets.Dataset`` or ``IterableDataset``, as TRL requires of
+    a train_dataset; a dict of splits is told which split to pass."""
+    from datasets import Dataset, IterableDataset
+
+    if isinstance(dataset, (Dataset, IterableDataset)):
+        return
+    kind = type(dataset).__name__
+    if isinstance(dataset, dict):
+        splits = list(dataset)
+        split = "train" if "train" in splits else (splits[0] if splits else "train")
+        raise DatasetTypeError(f"{name} is a {kind} of splits {splits}, not one dataset: pass dataset[{split!r}] "
+                               "(one split, a datasets.Dataset or IterableDataset)")
+    raise DatasetTypeError(f"{name} must be a datasets.Dataset or IterableDataset, got a {kind}"
+                           + (": build one with datasets.Dataset.from_list(rows)" if isinstance(dataset, list) else ""))
 
 
 @dataclass(frozen=True)
@@ -161,7 +200,7 @@ def detect_format(name: str, dataset: Any, args: Any = None, formatting_func: Ca
     if "prompt" in columns or "completion" in columns:
         if not ("prompt" in columns and "completion" in columns):
             missing = "completion" if "prompt" in columns else "prompt"
-            raise InputError(f"{name} has a '{'prompt' if missing == 'completion' else 'completion'}' column but no "
+            raise ColumnError(f"{name} has a '{'prompt' if missing == 'completion' else 'completion'}' column but no "
                              f"'{missing}' column: prompt-completion data needs both (columns: {columns})")
         chat = _is_chat(first["prompt"]) or _is_chat(first["completion"])
         return DataFormat("prompt_completion", chat, ("prompt", "completion"))
@@ -171,7 +210,7 @@ def detect_format(name: str, dataset: Any, args: Any = None, formatting_func: Ca
         return DataFormat("messages", True, ("conversations",))
     if text_field in columns:
         return DataFormat("text", False, (text_field,))
-    raise InputError(
+    raise ColumnError(
         f"{name} has columns {columns}, none of which TRL reads. Expected one of: '{text_field}' (plain text; "
         "or set dataset_text_field), 'messages' (chats), 'prompt' + 'completion', or 'input_ids' (pre-tokenized); "
         "or pass formatting_func to build the text from your columns"
@@ -267,7 +306,7 @@ def check_rows(name: str, dataset: Any, fmt: DataFormat, args: Any = None,
             problem = _chat_problem(chat, needs_assistant=assistant_only)
             if problem:
                 hint = " (assistant_only_loss=True trains on assistant turns only)" if "assistant" in problem else ""
-                raise InputError(f"{where}: '{fmt.fields[0]}' {problem}{hint}")
+                raise _row_error(problem)(f"{where}: '{fmt.fields[0]}' {problem}{hint}")
             if assistant_only and _answers_blank(chat):
                 blank.append(i)
         else:  # prompt_completion
@@ -282,7 +321,7 @@ def check_rows(name: str, dataset: Any, fmt: DataFormat, args: Any = None,
                     problem = _chat_problem(value, needs_assistant=needs)
                     if problem:
                         hint = " (training on completions needs one)" if "assistant" in problem else ""
-                        raise InputError(f"{where}: '{key}' {problem}{hint}")
+                        raise _row_error(problem)(f"{where}: '{key}' {problem}{hint}")
                     if needs and _answers_blank(value):
                         blank.append(i)
                 elif not isinstance(value, str):
@@ -293,6 +332,10 @@ def check_rows(name: str, dataset: Any, fmt: DataFormat, args: Any = None,
         _raise_sharegpt(name, sharegpt, seen)
     if blank:
         _report_blank(name, fmt, blank, seen, checked_all=limit is None)
+
+
+def _row_error(problem: str) -> type[InputError]:
+    return AssistantTurnError if problem.startswith("has no assistant turn") else InputError
 
 
 def _note(found: dict[str, list[int]], form: str, row: int) -> None:
@@ -452,6 +495,7 @@ def validate_training_inputs(
     formatting_func: Callable | None = None,
 ) -> DataFormat:
     """Every check above, on the training dataset and each evaluation dataset; returns the training data's format."""
+    check_dataset_type("train_dataset", train_dataset)
     skip_prepare = bool((_arg(args, "dataset_kwargs") or {}).get("skip_prepare_dataset", False))
     datasets: list[tuple[str, Any]] = [("train_dataset", train_dataset)]
     if isinstance(eval_dataset, dict):

@@ -10,6 +10,10 @@ from the run's arguments. A speedup module wires one idea into transformers/PEFT
 - ``stage="train"``: attached to the model when training begins (``on_train_begin``: after transformers has enabled
   gradient checkpointing on the model), detached with the others.
 
+Which rows a run may take at all is decided once, before anything changes, by ``fast_path.decide`` (the model, the
+adapter, the collator TRL built, the settings): a model or adapter the speedups were not built for gets none of
+them, and a speedup that cannot apply whole (the packed collator and packed attention go together) is not built.
+
 A speedup that decides at its first steps whether to do anything (``selective_checkpointing``, ``dequant_cache``,
 ``cuda_graphs``) says so through an ``engaged`` attribute; the trainer lists it in ``nbkit_attached`` only while it
 is engaged. One that spends free GPU memory has ``before_micro_batch(index, reserved) -> int``: the trainer calls it
@@ -234,8 +238,10 @@ SPEEDUPS: tuple[SpeedupSpec, ...] = (
 ALWAYS_ON = frozenset(spec.name for spec in SPEEDUPS if not spec.switched)  # not listed as attached: no choice
 
 
-def build(stage: str, args: Any, packed_batches: bool, dataset: Any = None) -> list[Speedup]:
+def build(stage: str, args: Any, packed_batches: bool, dataset: Any = None, path: Any = None) -> list[Speedup]:
     """The speedups of ``stage`` this run's arguments (and its train dataset, where they need it) switch on, in
-    table order (attach order)."""
-    built = (spec.build(args, packed_batches, dataset) for spec in SPEEDUPS if spec.stage == stage)
+    table order (attach order). ``path``: the run's ``fast_path.FastPath``, decided once before anything changed;
+    a row it does not allow is not built (none, for a run it keeps on TRL's own path)."""
+    built = (spec.build(args, packed_batches, dataset) for spec in SPEEDUPS
+             if spec.stage == stage and (path is None or path.allows(spec.name)))
     return [s for s in built if s is not None]

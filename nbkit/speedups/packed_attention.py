@@ -6,9 +6,14 @@ Why: with packing (or padding-free batches), plain transformers + SDPA detects t
 
 Contract:
 - ``PackedCollator`` wraps TRL's padding-free collator. Per batch, on the host, it yields ``position_ids``,
-  ``cu_seq_lens_q/k`` (int32) and ``max_length_q/k`` (Python ints), exactly TRL's keys, plus
-  ``nbkit_cu_seqlens_host`` (a tuple of ints) for kernels that loop over documents on the host. The trainer moves
-  the tensors to the device with the batch; nothing is rebuilt later.
+  ``cu_seq_lens_q/k`` (int32) and ``max_length_q/k`` (ints), exactly TRL's keys, plus ``nbkit_cu_seqlens_host``
+  (a tuple of ints) for kernels that loop over documents on the host. The metadata travels inside the batch
+  (dataloader workers may collate in other processes). Its host values are ``HostInt`` / ``HostOffsets``: an int and
+  a tuple whose ``.to(...)`` and ``pin_memory()`` return themselves, so code that moves every value of a batch to a
+  device (``{k: v.to(device) ...}``, accelerate, the trainer) or feeds it to a model (``model(**batch)``) works on
+  it as on a batch of tensors. FastSFT gives this collator to its own train and eval data loaders only;
+  ``trainer.data_collator`` stays TRL's. The trainer moves the tensors to the device with the batch; nothing is
+  rebuilt later.
 - ``PackedAttention`` (a speedup, see ``nbkit.speedups.ledger``) switches one model to the ``"nbkit"`` attention
   implementation and installs a forward pre-hook on its decoder that hands every layer the same per-forward
   ``PackedRun`` (metadata + the kernel chosen at attach). If a forward arrives without collated metadata, the hook
@@ -54,6 +59,27 @@ ATTN_NAME = "nbkit"
 _FUSED_KERNELS = (KERNEL_FNS["varlen"], KERNEL_FNS["flash_attn"])  # CUDA fp16/bf16 only
 
 
+class HostInt(int):
+    """An int a batch carries on the host: moving it to a device (or pinning it) leaves it as it is."""
+
+    def to(self, *args: Any, **kwargs: Any) -> HostInt:
+        return self
+
+    def pin_memory(self, *args: Any) -> HostInt:
+        return self
+
+
+class HostOffsets(tuple):
+    """Document offsets a batch carries on the host (a tuple of ints): moving it to a device (or pinning it) leaves
+    it as it is."""
+
+    def to(self, *args: Any, **kwargs: Any) -> HostOffsets:
+        return self
+
+    def pin_memory(self, *args: Any) -> HostOffsets:
+        return self
+
+
 @dataclass
 class PackedCollator:
     """Wraps a padding-free TRL ``DataCollatorForLanguageModeling`` and adds the host copy of the boundaries.
@@ -75,7 +101,9 @@ class PackedCollator:
                 raise ValueError("PackedCollator needs a padding-free collator (batches with position_ids)")
             batch.update(metadata_from_position_ids(batch["position_ids"]))
         cu = batch["cu_seq_lens_q"]
-        batch["nbkit_cu_seqlens_host"] = tuple(int(x) for x in cu.tolist())
+        batch["nbkit_cu_seqlens_host"] = HostOffsets(int(x) for x in cu.tolist())
+        for key in ("max_length_q", "max_length_k"):
+            batch[key] = HostInt(batch[key])
         if self.labelled and isinstance(batch.get("labels"), torch.Tensor):
             batch[LABELLED_KEY] = labelled_positions(batch["labels"])
         self.builds += 1
