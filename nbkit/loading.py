@@ -303,7 +303,7 @@ def _trains_tied_embedding(model: torch.nn.Module, modules_to_save: list[str] | 
     ``ensure_weight_tying`` anything to tie, and asked otherwise it warns."""
     import re
 
-    from peft.utils.constants import EMBEDDING_LAYER_NAMES
+    from .trl_seam import EMBEDDING_LAYER_NAMES
 
     if not getattr(model.config.get_text_config(), "tie_word_embeddings", False):
         return False

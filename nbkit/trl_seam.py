@@ -165,6 +165,8 @@ MEMBERS: tuple[Member, ...] = (
     Member("peft.tuners.lora:LoraLayer", "import", ("decode.dense_weights",), "finds the LoRA layers to merge for decoding"),
     Member("peft.tuners.tuners_utils:BaseTunerLayer", "import", ("decode.dense_weights", "decode.shared"),
            "any PEFT tuner layer (its base layer, its adapters)"),
+    Member("peft.utils.constants:EMBEDDING_LAYER_NAMES", "import", ("loading",),
+           "the module names PEFT treats as embeddings: whether a LoRA model trains a tied embedding"),
     Member("peft.utils.integrations:dequantize_module_weight", "call", ("decode.dense_weights",),
            "a 4-bit base weight dequantized for the dense decoding copy", ("module",)),
     # -- bitsandbytes -------------------------------------------------------------------------------------------------
@@ -196,6 +198,7 @@ _IMPORTS = {
     "LoraLayer": "peft.tuners.lora:LoraLayer",
     "BaseTunerLayer": "peft.tuners.tuners_utils:BaseTunerLayer",
     "dequantize_module_weight": "peft.utils.integrations:dequantize_module_weight",
+    "EMBEDDING_LAYER_NAMES": "peft.utils.constants:EMBEDDING_LAYER_NAMES",
     "_convert_weight_packed_for_cpu_inverse": "bitsandbytes.functional:_convert_weight_packed_for_cpu_inverse",
 }
 
