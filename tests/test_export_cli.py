@@ -45,10 +45,12 @@ def test_the_merge_is_checked_against_the_floor_of_the_dtype_asked_for(demo_out,
 def test_a_wrong_merge_exits_1_saying_what_looks_wrong_and_how_to_go_on(demo_out, tmp_path, monkeypatch, capsys):
     import nbkit.export.merge as merge
 
-    monkeypatch.setattr(merge, "_merge", lambda model: model.unload())  # the adapter dropped
+    # the LoRA layers dropped (the demo's trained embeddings, modules_to_save, stay)
+    monkeypatch.setattr(merge, "_merge", lambda model: model.unload())
     assert main([str(demo_out / "adapter"), "--to", "gguf", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert "check failed" in err and "looks dropped" in err and "--no-check" in err
+    assert "check failed: merged in float32 vs adapter model" in err and "times the adapter's change" in err
+    assert "Nothing was saved" in err and "--no-check" in err
     assert not list(tmp_path.glob("*.gguf"))
     assert main([str(demo_out / "adapter"), "--to", "gguf", "--out", str(tmp_path), "--no-check"]) == 0
 
