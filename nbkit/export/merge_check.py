@@ -90,6 +90,7 @@ class MergeCheck:
                 self.base_logits = logits_of(model, self.rows)
             self.effect = compare("base vs adapter model (what the adapter changes)", self.reference_logits,
                                   self.base_logits, None)
+            print(self.effect.line(), flush=True)
 
     def _scale(self, got: list[torch.Tensor]) -> str:
         return "" if self.base_logits is None else "; " + diagnosis(
