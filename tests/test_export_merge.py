@@ -89,6 +89,17 @@ def test_a_demo_style_adapter_folder_with_full_embeddings_merges(tmp_path, tok, 
     assert report.check.ok and report.check.rel <= MERGE_TOLERANCE
 
 
+def test_a_model_without_adapters_is_saved_within_its_own_bfloat16_floor(tmp_path, tok, one_thread):
+    from nbkit.demo.models import tiny_model
+
+    model = tiny_model("qwen3", len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    report = save_merged(model, tok, tmp_path / "saved", dtype=torch.bfloat16)
+    assert report.dtype == "bfloat16" and report.check.ok and report.effect is None
+    assert report.floor.rel > 0 and report.check.rel <= 1.1 * report.floor.rel + MERGE_TOLERANCE
+    assert report.vs_trained.rel == pytest.approx(report.check.rel, rel=1e-3)  # the model given is the reference
+    assert next(model.parameters()).dtype == torch.float32  # the caller's model is not rounded
+
+
 def test_a_merge_that_changes_the_model_fails_loudly(tmp_path, tok, monkeypatch, one_thread):
     import nbkit.export.merge as merge
 

@@ -174,7 +174,9 @@ def save_merged(model: torch.nn.Module, tokenizer: Any, out_dir: str | Path, *, 
             checks.merged_logits = checks.reference_logits  # nothing to merge
             checks.rounded(plain)
         _save(plain, tokenizer, out_dir, dtype)
-        _verify(out_dir, checks, report)
+        reloaded = _verify(out_dir, checks, report)
+        if checks:
+            report.vs_trained = compare("saved vs the model in memory", trained, reloaded, None)
         return report
     name = base or getattr(model.peft_config[model.active_adapter], "base_model_name_or_path", None)
     with tempfile.TemporaryDirectory(prefix="nbkit-adapter-") as adapter_dir:
