@@ -31,6 +31,30 @@ def test_the_demo_adapter_exports_to_merged_weights(demo_out, tmp_path, capsys):
     assert "merged (reloaded) vs adapter model" in capsys.readouterr().out
 
 
+def test_the_merge_is_checked_against_the_floor_of_the_dtype_asked_for(demo_out, tmp_path):
+    for dtype, floor_is_zero in (("float32", True), ("bfloat16", False)):
+        out = tmp_path / dtype
+        assert main([str(demo_out / "adapter"), "--to", "merged", "--dtype", dtype, "--out", str(out)]) == 0
+        report = json.loads((out / "nbkit-export.json").read_text())
+        assert report["dtype"] == dtype and report["check"]["ok"] and report["merge"]["ok"]
+        assert (report["floor"]["rel"] == 0) == floor_is_zero, report["floor"]
+        assert report["check"]["tolerance"] == pytest.approx(2 * report["floor"]["rel"] + 1e-4)
+        assert report["effect"]["rel"] > 1e-3  # the demo's adapter changes the logits: a dropped one is seen
+
+
+def test_a_wrong_merge_exits_1_saying_what_looks_wrong_and_how_to_go_on(demo_out, tmp_path, monkeypatch, capsys):
+    import nbkit.export.merge as merge
+
+    # the LoRA layers dropped (the demo's trained embeddings, modules_to_save, stay)
+    monkeypatch.setattr(merge, "_merge", lambda model: model.unload())
+    assert main([str(demo_out / "adapter"), "--to", "gguf", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "check failed: merged in float32 vs adapter model" in err and "times the adapter's change" in err
+    assert "Nothing was saved" in err and "--no-check" in err
+    assert not list(tmp_path.glob("*.gguf"))
+    assert main([str(demo_out / "adapter"), "--to", "gguf", "--out", str(tmp_path), "--no-check"]) == 0
+
+
 def test_the_demo_adapter_exports_to_gguf_with_a_modelfile(demo_out, tmp_path):
     assert main([str(demo_out / "adapter"), "--to", "gguf", "--quant", "q8_0", "--out", str(tmp_path)]) == 0
     gguf_file = tmp_path / f"{demo_out.name}-q8_0.gguf"

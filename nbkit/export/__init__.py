@@ -1,6 +1,7 @@
 """Getting a trained model out: merged 16-bit weights, GGUF files for llama.cpp / Ollama, the Hub.
 
-- ``merge``: ``save_merged`` / ``merge_folder`` -- the adapter merged into the original base, checked by logits.
+- ``merge``: ``save_merged`` / ``merge_folder`` -- the adapter merged into the original base, checked by logits
+  (``merge_check``: the merge in float32, then the saved folder within the saved dtype's measured rounding floor).
 - ``gguf``: ``export_gguf`` -- a model folder to one GGUF file (pure Python, the ``gguf`` package), read back with
   transformers' GGUF reader and checked by logits; ``QUANT_TYPES`` lists what it writes.
 - ``modelfile``: ``write_modelfile`` -- an Ollama ``Modelfile`` beside the GGUF (template, stop tokens).

@@ -7,8 +7,10 @@ beside the adapter, ``source.resolve_base``); one that is neither here nor on a 
 to pass ``--base``. ``--to merged`` writes the adapter merged into the original base to the folder
 ``--out``. ``--to gguf`` writes one GGUF file: ``--out`` ending in ``.gguf`` is the file, otherwise a folder that
 gets ``<name>-<quant>.gguf``; an adapter is merged first (into ``<out>/merged`` when ``--keep-merged``, else a
-temporary folder). Both check the result by logits and exit 1 if the check fails; ``--no-check`` skips it. A
-report (JSON) is written beside the output; ``--push REPO`` uploads the output afterwards.
+temporary folder), in ``--dtype`` (default: the base's own dtype). Both check the result by logits (the merge
+against the adapter model, within the rounding floor of the saved dtype measured on the model: ``merge_check``) and
+exit 1 if a check fails, saying what looks wrong and what to do; ``--no-check`` skips them. A report (JSON) is
+written beside the output; ``--push REPO`` uploads the output afterwards.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--base", default=None,
                         help="the adapter's base model (a folder or Hub id), if its config names another or one "
                              "that is not here")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="the merged weights' dtype (default: the base's own); float32 keeps the merge exact")
     parser.add_argument("--keep-merged", action="store_true", help="gguf from an adapter: keep the merged folder")
     parser.add_argument("--no-check", action="store_true", help="skip the logit checks")
     parser.add_argument("--name", default=None, help="the model's name in the GGUF metadata and file name")
@@ -52,7 +56,7 @@ def _merged_folder(args: argparse.Namespace, source, work: Path) -> Path:
     out = Path(args.out) if args.to == "merged" else (
         (Path(args.out) if not args.out.endswith(".gguf") else Path(args.out).parent) / "merged"
         if args.keep_merged else work / "merged")
-    report = merge_folder(source.path, out, base=args.base, check_prompts=[] if args.no_check else None)
+    report = merge_folder(source.path, out, base=args.base, dtype=args.dtype, check_logits=not args.no_check)
     (out / "nbkit-export.json").write_text(json.dumps(report.as_dict(), indent=1, default=str))
     print(f"merged ({report.base_weights}) -> {out}")
     return out

@@ -44,7 +44,7 @@ class LogitCheck:
         return self.tolerance is None or self.rel <= self.tolerance
 
     def line(self) -> str:
-        bound = f" (tolerance {self.tolerance:.0e}: {'ok' if self.ok else 'FAILED'})" if self.tolerance else ""
+        bound = f" (tolerance {self.tolerance:.1e}: {'ok' if self.ok else 'FAILED'})" if self.tolerance else ""
         return (f"{self.what}: max |diff| {self.max_abs:.3e}, relative {self.rel:.3e}, top-1 agreement "
                 f"{self.top1:.1%} over {self.positions} positions{bound}")
 

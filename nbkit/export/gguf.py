@@ -26,7 +26,8 @@ Round trip (``check_logits=True``): transformers' own GGUF reader loads the file
   |diff| / max |logit|) whatever the type, which proves layout, names, permutations, norms and metadata; past it
   ``ExportCheckError`` is raised;
 - with the unquantized source: what the type costs this model (``GgufReport.quantization``), held only to the
-  per-type sanity limit ``BOUND``.
+  per-type sanity limit ``BOUND``; past it (a type too coarse for this model: a fine-tune's small weight changes can
+  fall below its step) ``ExportCheckError`` says so and what to do (more bits, or ``check_logits=False``).
 The tokenizer read back must encode the prompts to the same ids. The reader rebuilds the config from the file's
 metadata, which is checked against the model's config on what it reads (``READ_BACK``); what it does not read
 (Gemma's soft-capping and query scaling, Qwen3's head size: written for llama.cpp) is taken from the model's config
@@ -333,7 +334,11 @@ def round_trip(report: GgufReport, model_dir: Path, tokenizer: Any, prompts: Seq
     if not report.tokenizer_round_trip:
         raise ExportCheckError(f"the tokenizer read back from {file} encodes the check prompts differently")
     if not report.quantization.ok:
-        raise ExportCheckError(f"{report.quantization.line()}: far past what {report.quant} costs a model")
+        raise ExportCheckError(
+            f"{report.quantization.line()}: the file holds the model as {report.quant} stores it (checked above), "
+            f"but {report.quant} changes this model far more than it costs a model ({BOUND[report.quant]:g}): "
+            "weight changes a fine-tune made can be smaller than the type's step and rounded away. Export a type with "
+            "more bits (q8_0, f16), or pass check_logits=False (--no-check from the command line) to keep this file.")
 
 
 # what transformers' GGUF reader rebuilds from the metadata, held to the source config exactly (floats: to f32)
