@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 from unsloth_recipes import llama_cpp_answers, sharegpt_rows
 

@@ -13,11 +13,12 @@ Contract:
 - ``SFTConfig`` is ``FastSFTConfig`` that also takes ``max_seq_length`` (TRL's ``max_length``).
 - ``train_on_responses_only(trainer, instruction_part=None, response_part=None)`` rewrites the ``labels`` of the
   trainer's prepared (tokenized) datasets: a token counts in the loss only after a ``response_part`` and before the
-  next ``instruction_part`` (so the end of each answer, its stop token, is learned; multi-turn chats and packed rows
-  included). Parts not given come from the tokenizer's chat template (``chat_templates.turn_markers``). The labels
-  TRL's collator (or the user's ``DataCollatorForSeq2Seq``) reads are the dataset's, so training, packing and
-  FastSFT's speedups see the masked labels. Rows where no response is found keep no label; a ``ValueError`` when
-  no row has one (the parts do not occur in the data). Returns the trainer.
+  next ``instruction_part``, so the end of each answer (its stop token) is learned; multi-turn chats included, and in
+  packed rows each sequence on its own. The parts are found by token ids, or by characters where they tokenize
+  otherwise in context (markers the vocabulary lacks). Parts not given come from the tokenizer's chat template
+  (``chat_templates.turn_markers``). TRL's collator (or the user's ``DataCollatorForSeq2Seq``) reads the dataset's
+  labels, so training, packing and FastSFT's speedups see the masked ones. Rows where no response is found keep no
+  label; a ``ValueError`` when no row has one (the parts do not occur in the data). Returns the trainer.
 """
 
 from __future__ import annotations
@@ -94,6 +95,45 @@ def _part_ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def text_labels(pieces: Sequence[str], ids: Sequence[int], instruction: str, response: str) -> list[int]:
+    """``response_labels`` by characters: ``pieces`` is each token's text. For markers the vocabulary lacks, which
+    tokenize differently in context than alone; a token counts when it starts after a response part's last
+    character and before the next instruction part."""
+    text = "".join(pieces)
+    starts, position = [], 0
+    for piece in pieces:
+        starts.append(position)
+        position += len(piece)
+    instructions = [i for i in range(len(text)) if text.startswith(instruction, i)]
+    labels = [IGNORE] * len(ids)
+    at = text.find(response)
+    while at >= 0:
+        begin = at + len(response)
+        end = next((i for i in instructions if i >= begin), len(text))
+        for k, start in enumerate(starts):
+            if begin <= start < end:
+                labels[k] = ids[k]
+        at = text.find(response, begin)
+    return labels
+
+
+class _Masker:
+    """Labels for one sequence: by token ids where the parts tokenize alike in context, else by characters."""
+
+    def __init__(self, tokenizer: Any, instruction_part: str, response_part: str) -> None:
+        self.tokenizer, self.instruction_part, self.response_part = tokenizer, instruction_part, response_part
+        self.instruction = _part_ids(tokenizer, instruction_part)
+        self.response = _part_ids(tokenizer, response_part)
+        self.texts: dict[int, str] = {}
+
+    def __call__(self, ids: Sequence[int]) -> list[int]:
+        ids = list(ids)
+        if _find(ids, self.response):
+            return response_labels(ids, self.instruction, self.response)
+        pieces = [self.texts.setdefault(i, self.tokenizer.decode([i])) for i in ids]
+        return text_labels(pieces, ids, self.instruction_part, self.response_part)
+
+
 def train_on_responses_only(trainer: Any, instruction_part: Optional[str] = None,
                             response_part: Optional[str] = None, num_proc: Optional[int] = None) -> Any:
     """Mask the trainer's labels outside the responses (module docstring); returns ``trainer``."""
@@ -107,10 +147,18 @@ def train_on_responses_only(trainer: Any, instruction_part: Optional[str] = None
                              "assistant turn)")
         instruction_part = instruction_part if instruction_part is not None else found[0]
         response_part = response_part if response_part is not None else found[1]
-    instruction, response = _part_ids(tokenizer, instruction_part), _part_ids(tokenizer, response_part)
+    masker = _Masker(tokenizer, instruction_part, response_part)
 
     def relabel(batch: dict[str, list]) -> dict[str, list]:
-        return {"labels": [response_labels(ids, instruction, response) for ids in batch["input_ids"]]}
+        lengths = batch.get("seq_lengths") or [[len(ids)] for ids in batch["input_ids"]]
+        labels = []
+        for ids, parts in zip(batch["input_ids"], lengths):  # packed rows: each sequence on its own
+            row, start = [], 0
+            for length in parts:
+                row += masker(ids[start:start + length])
+                start += length
+            labels.append(row + masker(ids[start:]))
+        return {"labels": labels}
 
     for attr in ("train_dataset", "eval_dataset"):
         dataset = getattr(trainer, attr, None)
