@@ -238,6 +238,7 @@ def check_arguments(function: str, given: dict[str, Any], own: Sequence[str]) ->
 
 
 def gradient_checkpointing_value(value: bool | str) -> bool:
+    """Unsloth's ``use_gradient_checkpointing`` (True, False or "unsloth") as on/off; ``ValueError`` otherwise."""
     if value in (True, False):
         return bool(value)
     if value == "unsloth":

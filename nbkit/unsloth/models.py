@@ -19,13 +19,17 @@ Contract:
   returned as it is, with a warning.
 - ``for_inference(model)``: eval mode, KV cache on; ``for_training(model)``: train mode, cache off. Both return the
   model.
-- The models these return carry Unsloth's saving methods (``nbkit.unsloth.saving``): only these objects, not every
-  model nbkit loads.
+- The models these return carry Unsloth's saving methods (``nbkit.unsloth.saving``), and their ``generate`` also
+  takes ``input_ids=`` a ``BatchEncoding`` (what ``apply_chat_template(tokenize=True, return_tensors="pt")`` gives
+  in transformers 5; a tensor in the transformers 4 Unsloth's notebooks were written for): only these objects, not
+  every model nbkit loads.
 """
 
 from __future__ import annotations
 
 import logging
+import types
+from collections.abc import Mapping
 from typing import Any, Optional, Sequence
 
 import torch
@@ -65,7 +69,7 @@ class FastLanguageModel:
                                      max_seq_length=max_seq_length, dtype=dtype,
                                      gradient_checkpointing=full_finetuning, full_finetuning=full_finetuning,
                                      **kwargs)
-        return saving.attach(model), tokenizer
+        return _accept_encoded_inputs(saving.attach(model)), tokenizer
 
     @staticmethod
     def get_peft_model(model: Any, r: int = 16, target_modules: Optional[Sequence[str] | str] = None,
@@ -87,7 +91,7 @@ class FastLanguageModel:
         if hasattr(model, "peft_config"):
             logger.warning("get_peft_model: the model already has LoRA adapters (a saved adapter was loaded); "
                            "training goes on with those")
-            return saving.attach(model)
+            return _accept_encoded_inputs(saving.attach(model))
         if target_modules is None:
             if not finetune_language_layers:
                 raise ValueError("get_peft_model(): finetune_language_layers=False leaves nothing to train")
@@ -101,7 +105,7 @@ class FastLanguageModel:
                         target_modules=list(target_modules) if not isinstance(target_modules, str) else target_modules,
                         modules_to_save=modules_to_save, bias=bias, use_rslora=use_rslora,
                         loftq_config=loftq_config, random_state=random_state)
-        return saving.attach(peft)
+        return _accept_encoded_inputs(saving.attach(peft))
 
     @staticmethod
     def for_inference(model: torch.nn.Module) -> torch.nn.Module:
@@ -121,6 +125,20 @@ class FastLanguageModel:
 
 
 FastModel = FastLanguageModel
+
+
+def _generate(model: Any, *args: Any, **kwargs: Any) -> Any:
+    encoded = kwargs.get("input_ids")
+    if isinstance(encoded, Mapping):  # transformers 5's apply_chat_template(tokenize=True) gives a BatchEncoding
+        kwargs = {**kwargs, **encoded}
+    return type(model).generate(model, *args, **kwargs)
+
+
+def _accept_encoded_inputs(model: Any) -> Any:
+    """``model.generate(input_ids=tokenizer.apply_chat_template(..., return_tensors="pt"))``, as Unsloth's notebooks
+    (written for transformers 4, where that call gives a tensor) call it, on this model object only."""
+    model.generate = types.MethodType(_generate, model)
+    return model
 
 
 def _configs(model: torch.nn.Module) -> list[Any]:
