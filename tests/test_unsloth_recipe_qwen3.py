@@ -5,11 +5,12 @@ chat template (SmolLM2's ChatML, which ignores ``enable_thinking``); the ``qwen3
 ``test_unsloth_compat.py``.
 
 The test body follows the notebook cell by cell with only the imports changed, and these other lines (``# changed``):
-the model name (the local SmolLM2 folder), the datasets (200 synthetic rows: half the notebook's reasoning form
-``problem`` / ``generated_solution``, half FineTome's ShareGPT form), ``max_steps`` (CI-sized) and ``.to("cuda")``; the base
-stays 4-bit as in the notebook. The pandas mixing cells are kept as the notebook has them. Cells that only read GPU
-memory and the ``if False:`` alternatives are left out; the save cells run. Checks: a training loss, the notebook's
-answer (its temperature, top_p, top_k), the merged folder and llama.cpp answering from q4_k_m.
+the model name (the local SmolLM2 folder), ``load_in_4bit`` (False: 4-bit matmuls on a CPU are too slow for CI),
+the two dataset lines as one (200 synthetic rows: half the notebook's reasoning form ``problem`` /
+``generated_solution``, half FineTome's ShareGPT form), ``max_steps`` (CI-sized) and ``.to("cuda")``. The pandas
+mixing cells are kept as the notebook has them. Cells that only read GPU memory and the ``if False:`` alternatives
+are left out; the save cells run. Checks: a training loss, the notebook's answer (its temperature, top_p, top_k),
+the merged folder and llama.cpp answering from q4_k_m.
 """
 
 from __future__ import annotations
@@ -21,6 +22,16 @@ from unsloth_recipes import alpaca_rows, llama_cpp_answers, sharegpt_rows
 pytest_plugins = ["conftest_real_model", "unsloth_recipes"]
 
 
+def qwen3_datasets():
+    """The notebook's two datasets, synthetic: the reasoning form (``problem``, ``generated_solution``) and
+    FineTome's ShareGPT form, 100 rows each."""
+    from datasets import Dataset
+
+    reasoning = Dataset.from_list([{"problem": r["instruction"] + " " + r["input"],
+                                    "generated_solution": r["output"]} for r in alpaca_rows(100)])
+    return reasoning, Dataset.from_list(sharegpt_rows(100))
+
+
 def test_qwen3_recipe_trains_merges_and_llama_cpp_answers(smollm2_fp32_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     # --- the notebook, imports changed ---
@@ -29,7 +40,7 @@ def test_qwen3_recipe_trains_merges_and_llama_cpp_answers(smollm2_fp32_dir, tmp_
     model, tokenizer = FastLanguageModel.from_pretrained(
         model_name = str(smollm2_fp32_dir),  # changed: the local model
         max_seq_length = 2048,   # Context length - can be longer, but uses more memory
-        load_in_4bit = True,     # 4bit uses much less memory
+        load_in_4bit = False,    # changed: 4-bit matmuls on a CPU are too slow for CI
         load_in_8bit = False,    # A bit more accurate, uses 2x memory
         full_finetuning = False, # We have full finetuning now!
     )
@@ -48,10 +59,7 @@ def test_qwen3_recipe_trains_merges_and_llama_cpp_answers(smollm2_fp32_dir, tmp_
         loftq_config = None,  # And LoftQ
     )
 
-    from datasets import Dataset
-    reasoning_dataset = Dataset.from_list([{"problem": r["instruction"] + " " + r["input"],  # changed: synthetic
-                                            "generated_solution": r["output"]} for r in alpaca_rows(100)])
-    non_reasoning_dataset = Dataset.from_list(sharegpt_rows(100))
+    reasoning_dataset, non_reasoning_dataset = qwen3_datasets()  # changed: both synthetic, not the Hub
 
     def generate_conversation(examples):
         problems  = examples["problem"]
