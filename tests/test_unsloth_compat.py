@@ -276,3 +276,21 @@ def test_train_on_responses_only_says_when_the_parts_are_not_in_the_data(saved, 
     with pytest.raises(ValueError, match="no row of the train_dataset holds the response part"):
         train_on_responses_only(trainer, instruction_part="<|im_start|>user\n",
                                 response_part="<|im_start|>assistant\n")
+
+
+def test_merged_16bit_and_4bit_folders_are_written_from_the_adapter_model(saved, tmp_path):
+    import json
+
+    model, tokenizer = FastLanguageModel.from_pretrained(model_name=str(saved), load_in_4bit=False)
+    model = FastLanguageModel.get_peft_model(model, r=4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    report = model.save_pretrained_merged(tmp_path / "m16", tokenizer, save_method="merged_16bit")
+    assert report.check is not None and report.check.ok
+    report4 = model.save_pretrained_merged(tmp_path / "m4", tokenizer, save_method="merged_4bit")
+    config = json.loads((tmp_path / "m4" / "config.json").read_text())
+    assert config["quantization_config"]["bnb_4bit_quant_type"] == "nf4" and report4.out_dir == tmp_path / "m4"
+    assert (tmp_path / "m4" / "tokenizer_config.json").is_file()
+    assert not (tmp_path / "m16" / "adapter_config.json").exists()
