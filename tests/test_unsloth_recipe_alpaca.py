@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from unsloth_recipes import alpaca_rows, llama_cpp_answers
 
 pytest_plugins = ["conftest_real_model", "unsloth_recipes"]
+pytestmark = pytest.mark.slow
 
 
 def test_alpaca_recipe_trains_merges_and_llama_cpp_answers(smollm2_fp32_dir, tmp_path, monkeypatch):

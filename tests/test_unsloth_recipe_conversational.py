@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from unsloth_recipes import llama_cpp_answers, sharegpt_rows
 
 pytest_plugins = ["conftest_real_model", "unsloth_recipes"]
+pytestmark = pytest.mark.slow
 
 
 def test_conversational_recipe_trains_chats_merges_and_llama_cpp_answers(smollm2_fp32_dir, tmp_path, monkeypatch):

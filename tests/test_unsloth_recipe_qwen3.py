@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from unsloth_recipes import alpaca_rows, llama_cpp_answers, sharegpt_rows
 
 pytest_plugins = ["conftest_real_model", "unsloth_recipes"]
+pytestmark = pytest.mark.slow
 
 
 def qwen3_datasets():
