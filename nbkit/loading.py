@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 
@@ -179,42 +180,110 @@ def _resolve_dtype(dtype: str | torch.dtype, compute_dtype: torch.dtype) -> torc
     return dtype
 
 
-def load_model(
+# keyword arguments ``from_pretrained`` itself reads (beyond its signature); anything else would reach the model's
+# ``__init__`` as a TypeError that names neither load_model nor the argument meant
+_FROM_PRETRAINED_KEYS = frozenset({
+    "adapter_kwargs", "adapter_name", "device_mesh", "distributed_config", "experts_implementation",
+    "generation_config", "gguf_file", "kernel_config", "key_mapping", "low_cpu_mem_usage", "max_memory",
+    "offload_buffers", "offload_folder", "offload_state_dict", "output_loading_info", "proxies", "quantization_config",
+    "state_dict", "subfolder", "tp_plan", "tp_size", "use_kernels", "variant",
+})
+# names other libraries use for one of load_model's arguments -> the name here
+_ALIASES = {
+    "lora_r": "r", "rank": "r", "lora_rank": "r", "alpha": "lora_alpha", "dropout": "lora_dropout",
+    "torch_dtype": "dtype", "max_length": "max_seq_length", "max_len": "max_seq_length", "model_id": "model_name",
+    "model": "model_name", "pretrained_model_name_or_path": "model_name", "seed": "random_state",
+    "lora_bias": "bias", "use_rs_lora": "use_rslora",
+}
+# Unsloth's arguments this loader does not have, and what to do instead
+_UNSUPPORTED = {
+    "load_in_8bit": "8-bit (LLM.int8) bases are not supported: use load_in_4bit=True (NF4) or load_in_4bit=False "
+                    "(16-bit)",
+    "fast_inference": "vLLM inference is not supported: chat and generation use nbkit.chat / model.generate",
+    "max_lora_rank": "is vLLM's (fast_inference), which is not supported",
+    "gpu_memory_utilization": "is vLLM's (fast_inference), which is not supported",
+}
+_UNSET: Any = object()
+
+
+def _pretrained_keys() -> set[str]:
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    return set(inspect.signature(PreTrainedModel.from_pretrained).parameters) | _FROM_PRETRAINED_KEYS
+
+
+def check_arguments(function: str, given: dict[str, Any], own: Sequence[str]) -> None:
+    """Raise nbkit's ``TypeError`` for a keyword ``function`` does not take, naming the one meant where it can.
+
+    ``own``: ``function``'s own argument names; ``given``: the extra keywords, which may only be ``from_pretrained``'s.
+    """
+    import difflib
+
+    allowed = _pretrained_keys()
+    for name in given:
+        if name in allowed:
+            continue
+        if name in _UNSUPPORTED:
+            raise TypeError(f"{function}(): {name}= is not supported: {_UNSUPPORTED[name]}")
+        if name in _ALIASES and _ALIASES[name] in own:
+            hint = f"; did you mean {_ALIASES[name]}=?"
+        else:
+            close = difflib.get_close_matches(name, list(own) + sorted(allowed), n=1, cutoff=0.75)
+            hint = f"; did you mean {close[0]}=?" if close else ""
+        raise TypeError(
+            f"{function}() got an unexpected keyword argument {name!r}{hint} (its arguments: {', '.join(own)}; "
+            "other keywords go to transformers' from_pretrained, which does not take this one either)"
+        )
+
+
+def gradient_checkpointing_value(value: bool | str) -> bool:
+    """Unsloth's ``use_gradient_checkpointing`` (True, False or "unsloth") as on/off; ``ValueError`` otherwise."""
+    if value in (True, False):
+        return bool(value)
+    if value == "unsloth":
+        # the same non-reentrant checkpointing; FastSFT's offload_checkpointing switch moves the saved activations to
+        # the CPU as Unsloth's "unsloth" mode does
+        return True
+    raise ValueError(f"use_gradient_checkpointing={value!r}: use True, False or \"unsloth\"")
+
+
+def adapter_folder(name: str) -> Path | None:
+    """The local folder ``name`` when it holds a saved adapter (``adapter_config.json``), else None."""
+    folder = Path(name).expanduser()
+    return folder if (folder / "adapter_config.json").is_file() else None
+
+
+def load_base(
     name_or_path: str,
     load_in_4bit: bool = True,
-    lora_r: int | None = 16,
-    lora_alpha: int | None = None,
-    lora_dropout: float = 0.0,
-    target_modules: str | list[str] = "all-linear",
     max_seq_length: int | None = None,
-    dtype: str | torch.dtype = "auto",
+    dtype: str | torch.dtype | None = "auto",
     gradient_checkpointing: bool = True,
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
     device_map: Any = None,
-    modules_to_save: list[str] | None = None,
+    full_finetuning: bool = False,
     **from_pretrained_kwargs: Any,
 ) -> tuple[torch.nn.Module, Any]:
-    """Load ``name_or_path`` (a local folder or a Hub id) for (Q)LoRA training; return ``(model, tokenizer)``.
+    """The base model, frozen (every weight trainable with ``full_finetuning``), and its tokenizer: no adapters.
 
-    - ``load_in_4bit``: NF4 double-quantized base (QLoRA); else the base in ``dtype``.
-    - ``lora_r``: LoRA rank on ``target_modules``; ``None`` or 0 returns the base without adapters, every weight
-      trainable (full fine-tuning; not possible on a 4-bit base).
-    - ``lora_alpha``: defaults to ``lora_r``. ``modules_to_save``: modules trained in full beside the adapters
-      (e.g. ``["embed_tokens", "lm_head"]`` when the vocabulary must move, as for a new chat format).
-    - ``dtype``: ``"auto"`` = ``pick_compute_dtype()``; also the dtype of the weights that stay unquantized.
-    - ``max_seq_length``: recorded as ``tokenizer.model_max_length``; a warning if beyond the model's positions.
-      A positive int or None (``nbkit.settings.length_problem``, the rule ``FastSFTConfig.max_length`` follows),
-      checked before anything is loaded: ``SettingError`` (a ``ValueError``) otherwise.
-    - Everything else goes to ``AutoModelForCausalLM.from_pretrained``.
-
-    Raises ``ModelNotFoundError`` when the model cannot be found (see the module docstring).
+    What ``load_model`` adds LoRA to (``add_lora``); loaded, quantized and prepared as the module docstring says.
+    A folder holding a saved adapter (``adapter_config.json``) loads its base (named there, found as the export
+    finds it) with the adapter on it, trainable, and the tokenizer saved beside the adapter when there is one.
     """
     from transformers import AutoModelForCausalLM
 
     check_length("max_seq_length", max_seq_length)
-    if load_in_4bit and not lora_r:
-        raise ValueError("a 4-bit base cannot be trained in full: pass lora_r > 0, or load_in_4bit=False")
+    if load_in_4bit and full_finetuning:
+        raise ValueError("a 4-bit base cannot be trained in full: pass load_in_4bit=False for full fine-tuning")
+    adapter = adapter_folder(name_or_path)
+    if adapter is not None:
+        return _load_adapter(adapter, load_in_4bit=load_in_4bit, max_seq_length=max_seq_length, dtype=dtype,
+                             gradient_checkpointing=gradient_checkpointing, trust_remote_code=trust_remote_code,
+                             attn_implementation=attn_implementation, device_map=device_map,
+                             **from_pretrained_kwargs)
     hub_keys = ("revision", "token", "cache_dir")
     hub_kwargs = {k: from_pretrained_kwargs[k] for k in hub_keys if k in from_pretrained_kwargs}
     config = _load_config(name_or_path, trust_remote_code, hub_kwargs)
@@ -223,7 +292,7 @@ def load_model(
         device_map = {"": torch.cuda.current_device()}
     device = next(iter(device_map.values())) if isinstance(device_map, dict) and device_map else None
     compute_dtype = pick_compute_dtype(device if isinstance(device, (int, torch.device)) else None)
-    weights_dtype = _resolve_dtype(dtype, compute_dtype)
+    weights_dtype = _resolve_dtype("auto" if dtype is None else dtype, compute_dtype)
 
     kwargs: dict[str, Any] = dict(config=config, dtype=weights_dtype, trust_remote_code=trust_remote_code)
     if device_map is not None:
@@ -270,29 +339,171 @@ def load_model(
         # freezes the base and upcasts unquantized weights to fp32; checkpointing is enabled below (non-reentrant
         # needs no input-grad hook), under the name this transformers uses
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    elif lora_r:
+    elif not full_finetuning:
         model.requires_grad_(False)
-    if gradient_checkpointing:
+    set_checkpointing(model, gradient_checkpointing)
+    return model, tokenizer
+
+
+def set_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
+    """Non-reentrant gradient checkpointing on (and the KV cache off, useless in training), or left off."""
+    if enabled:
         enable_activation_checkpointing(model, {"use_reentrant": False})
-    if gradient_checkpointing:
         model.config.use_cache = False  # the cache is useless in training and conflicts with checkpointing
 
-    if lora_r:
-        from peft import LoraConfig, get_peft_model
 
-        lora_config = LoraConfig(
-            r=lora_r,
-            lora_alpha=lora_r if lora_alpha is None else lora_alpha,
-            lora_dropout=lora_dropout,
-            target_modules=target_modules,
-            modules_to_save=modules_to_save,
-            # tied embeddings stay tied when one is trained; PEFT warns if asked where none is (or on an untied model)
-            ensure_weight_tying=_trains_tied_embedding(model, modules_to_save, target_modules),
-            bias="none",
-            task_type="CAUSAL_LM",
-        )
-        with quiet_peft_wrap():  # PEFT reads a checkpointing name transformers deprecated
-            model = get_peft_model(model, lora_config)
+def add_lora(
+    model: torch.nn.Module,
+    r: int = 16,
+    lora_alpha: int | None = None,
+    lora_dropout: float = 0.0,
+    target_modules: str | list[str] = "all-linear",
+    modules_to_save: list[str] | None = None,
+    bias: str = "none",
+    use_rslora: bool = False,
+    loftq_config: Any = None,
+    random_state: int | None = None,
+) -> torch.nn.Module:
+    """``model`` (a frozen base from ``load_base``) with LoRA adapters of rank ``r``: PEFT's ``get_peft_model``.
+
+    ``lora_alpha`` defaults to ``r``; ``bias`` ("none", "all", "lora_only") and ``use_rslora`` (scale alpha/sqrt(r))
+    are PEFT's; ``random_state`` seeds the adapters' initialisation (``transformers.set_seed``, as Unsloth does);
+    ``loftq_config`` (a dict or PEFT ``LoftQConfig``; None or ``{}``: none) initialises the adapters with LoftQ,
+    which needs the base unquantized (PEFT quantizes it itself for that).
+    """
+    from peft import LoftQConfig, LoraConfig, get_peft_model
+
+    if not r or r < 0:
+        raise ValueError(f"r={r!r}: the LoRA rank must be a positive int")
+    loftq: dict[str, Any] = {}
+    if loftq_config:
+        if getattr(getattr(model, "config", None), "quantization_config", None) is not None:
+            raise ValueError("loftq_config needs the base unquantized: load it with load_in_4bit=False (LoftQ "
+                             "quantizes it itself), or pass loftq_config=None")
+        config = loftq_config if isinstance(loftq_config, LoftQConfig) else LoftQConfig(**dict(loftq_config))
+        loftq = dict(init_lora_weights="loftq", loftq_config=config)
+    if random_state is not None:
+        from transformers import set_seed
+
+        set_seed(random_state)
+    lora_config = LoraConfig(
+        r=r,
+        lora_alpha=r if lora_alpha is None else lora_alpha,
+        lora_dropout=lora_dropout,
+        target_modules=target_modules,
+        modules_to_save=modules_to_save,
+        # tied embeddings stay tied when one is trained; PEFT warns if asked where none is (or on an untied model)
+        ensure_weight_tying=_trains_tied_embedding(model, modules_to_save, target_modules),
+        bias=bias,
+        use_rslora=use_rslora,
+        task_type="CAUSAL_LM",
+        **loftq,
+    )
+    with quiet_peft_wrap():  # PEFT reads a checkpointing name transformers deprecated
+        return get_peft_model(model, lora_config)
+
+
+def _load_adapter(folder: Path, **base_kwargs: Any) -> tuple[torch.nn.Module, Any]:
+    """A saved adapter on its base (``adapter_config.json``'s ``base_model_name_or_path``), adapters trainable."""
+    from peft import PeftModel
+
+    from .export.source import describe
+
+    source = describe(folder)
+    if not source.base:
+        raise ValueError(f"{folder / 'adapter_config.json'} names no base model (base_model_name_or_path)")
+    model, tokenizer = load_base(source.base, **base_kwargs)
+    with quiet_peft_wrap():
+        model = PeftModel.from_pretrained(model, str(folder), is_trainable=True)
+    if (folder / "tokenizer_config.json").is_file():
+        tokenizer = load_tokenizer(str(folder), trust_remote_code=base_kwargs.get("trust_remote_code", False),
+                                   max_seq_length=base_kwargs.get("max_seq_length"))
+    return model, tokenizer
+
+
+_LOAD_MODEL_ARGS = (
+    "model_name", "load_in_4bit", "r", "lora_alpha", "lora_dropout", "target_modules", "max_seq_length", "dtype",
+    "use_gradient_checkpointing", "gradient_checkpointing", "trust_remote_code", "attn_implementation", "device_map",
+    "modules_to_save", "bias", "random_state", "use_rslora", "loftq_config", "full_finetuning", "lora_r",
+    "name_or_path", "token", "revision", "cache_dir",
+)
+
+
+def load_model(
+    name_or_path: str | None = None,
+    load_in_4bit: bool = True,
+    lora_r: int | None = 16,
+    lora_alpha: int | None = None,
+    lora_dropout: float = 0.0,
+    target_modules: str | list[str] = "all-linear",
+    max_seq_length: int | None = None,
+    dtype: str | torch.dtype | None = "auto",
+    gradient_checkpointing: bool = True,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+    device_map: Any = None,
+    modules_to_save: list[str] | None = None,
+    *,
+    model_name: str | None = None,
+    r: int | None = _UNSET,
+    bias: str = "none",
+    use_gradient_checkpointing: bool | str = _UNSET,
+    random_state: int | None = None,
+    use_rslora: bool = False,
+    loftq_config: Any = None,
+    full_finetuning: bool = False,
+    **from_pretrained_kwargs: Any,
+) -> tuple[torch.nn.Module, Any]:
+    """Load ``name_or_path`` (a local folder or a Hub id) for (Q)LoRA training; return ``(model, tokenizer)``.
+
+    - ``model_name``: the same as ``name_or_path`` (Unsloth's name; either, as a keyword).
+    - ``load_in_4bit``: NF4 double-quantized base (QLoRA); else the base in ``dtype``.
+    - ``r`` (or ``lora_r``): LoRA rank on ``target_modules``; ``None`` or 0 (or ``full_finetuning=True``) returns
+      the base without adapters, every weight trainable (full fine-tuning; not possible on a 4-bit base).
+    - ``lora_alpha``: defaults to the rank. ``modules_to_save``: modules trained in full beside the adapters
+      (e.g. ``["embed_tokens", "lm_head"]`` when the vocabulary must move, as for a new chat format). ``bias``,
+      ``use_rslora``, ``loftq_config``, ``random_state``: see ``add_lora``.
+    - ``dtype``: ``"auto"`` or None = ``pick_compute_dtype()``; also the dtype of the weights that stay unquantized.
+    - ``max_seq_length``: recorded as ``tokenizer.model_max_length``; a warning if beyond the model's positions.
+      A positive int or None (``nbkit.settings.length_problem``, the rule ``FastSFTConfig.max_length`` follows),
+      checked before anything is loaded: ``SettingError`` (a ``ValueError``) otherwise.
+    - ``gradient_checkpointing`` (or Unsloth's ``use_gradient_checkpointing``: True, False or "unsloth", which is
+      the same non-reentrant checkpointing here; FastSFT's ``offload_checkpointing`` is the offloading part).
+    - A folder holding a saved adapter (``adapter_config.json``): its base, named there, with the adapter on it,
+      trainable (``load_base``); the LoRA arguments are the adapter's own then.
+    - Other keywords go to ``AutoModelForCausalLM.from_pretrained`` if it reads them; any other is a ``TypeError``
+      naming the argument meant where it can (``check_arguments``), and Unsloth's ``load_in_8bit=True`` and vLLM
+      arguments say they are not supported.
+
+    Raises ``ModelNotFoundError`` when the model cannot be found (see the module docstring).
+    """
+    if model_name is not None and name_or_path is not None and model_name != name_or_path:
+        raise TypeError(f"load_model(): name_or_path={name_or_path!r} and model_name={model_name!r} differ: give one")
+    name = model_name if model_name is not None else name_or_path
+    if name is None:
+        raise TypeError("load_model() needs the model: load_model(\"folder or hub id\") or model_name=...")
+    if "load_in_8bit" in from_pretrained_kwargs and not from_pretrained_kwargs["load_in_8bit"]:
+        from_pretrained_kwargs.pop("load_in_8bit")  # False: what happens anyway
+    check_arguments("load_model", from_pretrained_kwargs, _LOAD_MODEL_ARGS)
+    rank = lora_r if r is _UNSET else r
+    if full_finetuning:
+        rank = None
+    checkpointing = gradient_checkpointing if use_gradient_checkpointing is _UNSET else gradient_checkpointing_value(
+        use_gradient_checkpointing)
+    check_length("max_seq_length", max_seq_length)
+    if load_in_4bit and not rank and adapter_folder(name) is None:
+        raise ValueError("a 4-bit base cannot be trained in full: pass r (lora_r) > 0, or load_in_4bit=False")
+    model, tokenizer = load_base(
+        name, load_in_4bit=load_in_4bit, max_seq_length=max_seq_length, dtype=dtype,
+        gradient_checkpointing=checkpointing, trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation, device_map=device_map,
+        full_finetuning=not rank and adapter_folder(name) is None,
+        **from_pretrained_kwargs,
+    )  # fmt: skip
+    if rank and adapter_folder(name) is None:
+        model = add_lora(model, rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=target_modules,
+                         modules_to_save=modules_to_save, bias=bias, use_rslora=use_rslora,
+                         loftq_config=loftq_config, random_state=random_state)
     return model, tokenizer
 
 

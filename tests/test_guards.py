@@ -226,6 +226,16 @@ def test_sharegpt_chats_are_refused_with_the_converter_named(tokenizer):
     check(Dataset.from_list(standard), tokenizer, cfg(assistant_only_loss=True))
 
 
+def test_standardized_chats_beside_a_text_column_are_read_as_text_as_trl_does(tokenizer):
+    # Unsloth's recipes keep role/content chats in 'conversations' and render them into 'text': TRL trains on 'text'
+    rows = [{"conversations": chat(("user", "q"), ("assistant", "a")), "text": "q a"}]
+    assert detect_format("train_dataset", Dataset.from_list(rows)).kind == "text"
+    check(Dataset.from_list(rows), tokenizer)
+    sharegpt_rows = [{"conversations": sharegpt(("human", "q"), ("gpt", "a")), "text": "q a"}]  # TRL converts these
+    with pytest.raises(InputError, match=r"ShareGPT roles"):
+        check(Dataset.from_list(sharegpt_rows), tokenizer)
+
+
 def test_from_sharegpt_gives_trls_messages_that_pass_and_mask_the_answers(tokenizer):
     from nbkit.reliability import from_sharegpt
     from nbkit.reliability.guards import from_sharegpt as same

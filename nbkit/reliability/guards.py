@@ -188,6 +188,11 @@ def _is_chat(value: Any) -> bool:
                                                                                        or "from" in value[0])
 
 
+def _from_value(chat: Any) -> bool:
+    """TRL's test for a ShareGPT chat it converts: a list whose first turn has "from" and "value"."""
+    return isinstance(chat, list) and bool(chat) and isinstance(chat[0], dict) and {"from", "value"} <= set(chat[0])
+
+
 def detect_format(name: str, dataset: Any, args: Any = None, formatting_func: Callable | None = None) -> DataFormat:
     """The format TRL will read ``dataset`` as; ``InputError`` when it has none of the expected columns."""
     first = _first_row(name, dataset)
@@ -206,7 +211,9 @@ def detect_format(name: str, dataset: Any, args: Any = None, formatting_func: Ca
         return DataFormat("prompt_completion", chat, ("prompt", "completion"))
     if "messages" in columns:
         return DataFormat("messages", True, ("messages",))
-    if "conversations" in columns:  # ShareGPT: TRL converts {"from", "value"} to {"role", "content"}
+    if "conversations" in columns and (text_field not in columns or _from_value(first.get("conversations"))):
+        # ShareGPT: TRL converts {"from", "value"} to {"role", "content"}; other chats there it leaves, reading the
+        # text field when there is one (Unsloth's recipes keep standardized chats beside the text they render)
         return DataFormat("messages", True, ("conversations",))
     if text_field in columns:
         return DataFormat("text", False, (text_field,))
