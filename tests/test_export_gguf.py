@@ -176,3 +176,19 @@ def test_the_real_model_round_trips_in_q8_0(tmp_path, smollm2_dir):
     text = report.modelfile.read_text()
     assert "You are a helpful AI assistant named SmolLM" in text  # the template's default system prompt
     assert 'PARAMETER stop "<|im_end|>"' in text
+
+
+def test_the_pre_tokenizer_probe_says_nothing_about_a_short_model_max_length(capfd):
+    """The fingerprint probe is longer than a tokenizer loaded with a short ``max_seq_length``; encoding it must not
+    print transformers' "Token indices sequence length is longer than ..." line into the user's export cell."""
+    import json
+
+    from nbkit.demo.tokenizer import load_demo_tokenizer
+    from nbkit.export.gguf_vocab import PROBE, pre_tokenizer_name
+
+    tokenizer = load_demo_tokenizer()
+    tokenizer.model_max_length = 8
+    assert len(tokenizer.encode(PROBE, verbose=False)) > 8  # the probe is longer: the warning's condition holds
+    pre_tokenizer_name(tokenizer, json.loads(tokenizer.backend_tokenizer.to_str()))
+    captured = capfd.readouterr()
+    assert "Token indices sequence length" not in captured.out + captured.err

@@ -70,7 +70,7 @@ def _byte_level(spec: dict) -> bool:
 
 def pre_tokenizer_name(tokenizer: Any, spec: dict) -> tuple[str, str]:
     """(llama.cpp pre-tokenizer name, how it was found) for a byte-level BPE tokenizer."""
-    fingerprint = hashlib.sha256(str(tokenizer.encode(PROBE)).encode()).hexdigest()
+    fingerprint = hashlib.sha256(str(tokenizer.encode(PROBE, verbose=False)).encode()).hexdigest()  # no length warning
     if fingerprint in KNOWN_FINGERPRINTS:
         return KNOWN_FINGERPRINTS[fingerprint], "llama.cpp fingerprint"
     parts = _parts(spec.get("pre_tokenizer"))
