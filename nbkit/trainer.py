@@ -53,24 +53,25 @@ from .trl_seam import DataCollatorForLanguageModeling
 logger = logging.getLogger(__name__)
 
 
-class _TrainStageSpeedups(TrainerCallback):
-    """Owns the ``stage="train"`` speedups of one run: attached to the model training starts (transformers has
-    enabled gradient checkpointing by then), detached by the trainer when ``train()`` ends."""
+class _TrainingEvents(TrainerCallback):
+    """Hands the training events the speedups attached for one run wait for to them: ``begin_training`` when
+    training begins (transformers has enabled gradient checkpointing by then), ``optimizer_stepped`` after each
+    optimizer step (the layer plan's second look comes after the first)."""
 
     def __init__(self) -> None:
-        self.pending: list[Speedup] = []
-        self.attached: list[Speedup] = []
+        self.speedups: list[Speedup] = []
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):  # TrainerCallback's signature
-        for speedup in self.pending:
-            if speedup.attach(model):
-                self.attached.append(speedup)
-        self.pending = []
+        for speedup in self.speedups:
+            begin = getattr(speedup, "begin_training", None)
+            if begin is not None:
+                begin(model)
 
-    def detach(self) -> None:
-        for speedup in reversed(self.attached):
-            speedup.detach()
-        self.attached, self.pending = [], []
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        for speedup in self.speedups:
+            stepped = getattr(speedup, "optimizer_stepped", None)
+            if stepped is not None:
+                stepped()
 
 
 class FastSFT(ReliableTraining, SFTTrainer):
@@ -105,10 +106,10 @@ class FastSFT(ReliableTraining, SFTTrainer):
             read_numbers(args)  # a plain SFTConfig checks no types: "2e-4" would fail inside torch's optimizer
         self._nbkit_user_collator = data_collator is not None
         self._speedups: list[Speedup] = []
-        self._train_stage = _TrainStageSpeedups()
+        self._training_events = _TrainingEvents()
         self._nbkit_active = False
-        self._nbkit_micro_batches = 0  # training micro-batches since the speedups were attached
         self.nbkit_attached: list[str] = []  # what the last train()/evaluate() ran with, kept after detach
+        self.nbkit_layer_stats: dict[str, Any] = {}  # the last run's layer plan (its line) and the modes' counters
         router = _router_setting(model)
         super().__init__(model, args, data_collator, *pargs, **kwargs)
         self._nbkit_router = router if router is not None else _router_setting(self.model, given_by_name=True)
@@ -126,7 +127,7 @@ class FastSFT(ReliableTraining, SFTTrainer):
         self._trainable_precision()
         self.nbkit_collator: PackedCollator | None = self._packed_collator() if self.nbkit_path.packed else None
         self._nbkit_trl_collator = self.data_collator  # one set later by the user is theirs: never swapped
-        self.add_callback(self._train_stage)
+        self.add_callback(self._training_events)
         self._maybe_add_dashboard()
 
     # -- setup ---------------------------------------------------------------------------------------------------------
@@ -190,16 +191,6 @@ class FastSFT(ReliableTraining, SFTTrainer):
         inputs.pop(LABELLED_KEY, None)
         return super().compute_loss(model, inputs, *args, **kwargs)
 
-    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any):
-        """The step of ``ReliableTraining`` / TRL, after the speedups that spend free GPU memory planned for it."""
-        self._nbkit_micro_batches += 1
-        reserved = 0
-        for speedup in self._train_stage.attached:  # table order: selective_checkpointing before dequant_cache
-            plan = getattr(speedup, "before_micro_batch", None)
-            if plan is not None:
-                reserved += plan(self._nbkit_micro_batches, reserved)
-        return super().training_step(model, inputs, *args, **kwargs)
-
     def _maybe_add_dashboard(self) -> None:
         mode = _switch(self.args, "live_dashboard")
         if mode is False:
@@ -243,27 +234,29 @@ class FastSFT(ReliableTraining, SFTTrainer):
     @contextlib.contextmanager
     def nbkit_speedups(self) -> Iterator[list[Speedup]]:
         """Attach the speedups ``FastSFTConfig`` switches on (``nbkit.speedups.SPEEDUPS``) for the block: the model
-        stage to the model and the trainer stage to this trainer now, the train stage when training begins; all of
-        them detached, in reverse, when it ends."""
+        stage to the model and the trainer stage to this trainer; the training events they wait for handed on
+        (``_TrainingEvents``); all of them detached, in reverse, when it ends."""
         if self._nbkit_active:  # nested (evaluate() inside train()): already attached
             yield self._speedups
             return
         path = self.nbkit_path
         packed = path.packed
         self._nbkit_active = True
-        self._nbkit_micro_batches = 0
         self._speedups = []
         try:
             for stage, target in (("model", self.model), ("trainer", self)):
-                for speedup in speedups.build(stage, self.args, packed, path=path):
+                for speedup in speedups.build(stage, self.args, packed, self.train_dataset, path):
                     if speedup.attach(target):
                         self._speedups.append(speedup)
             self.nbkit_attached = self.active_speedups
-            self._train_stage.pending = speedups.build("train", self.args, packed, self.train_dataset, path)
+            self._training_events.speedups = self._speedups
             yield self._speedups
         finally:
             self.nbkit_attached = self.active_speedups
-            self._train_stage.detach()
+            runner = next((s for s in self._speedups if s.name == speedups.LAYERS), None)
+            if runner is not None:
+                self.nbkit_layer_stats = runner.stats()
+            self._training_events.speedups = []
             for speedup in reversed(self._speedups):
                 speedup.detach()
             self._speedups = []
@@ -273,9 +266,14 @@ class FastSFT(ReliableTraining, SFTTrainer):
     def active_speedups(self) -> list[str]:
         """Names of the switched speedups attached right now and not disengaged by their own first-step decision (the
         always-on ones, ``speedups.ALWAYS_ON``, are not a choice and not listed)."""
-        return [f"{s.name}({s.kernel})" if getattr(s, "kernel", None) else s.name
-                for s in self._speedups + self._train_stage.attached
-                if getattr(s, "engaged", True) and s.name not in speedups.ALWAYS_ON]
+        names = []
+        for s in self._speedups:
+            modes = getattr(s, "engaged_modes", None)
+            if modes is not None:
+                names += modes()
+            elif getattr(s, "engaged", True) and s.name not in speedups.ALWAYS_ON:
+                names.append(f"{s.name}({s.kernel})" if getattr(s, "kernel", None) else s.name)
+        return names
 
     @contextlib.contextmanager
     def _trl_router_setting(self) -> Iterator[None]:

@@ -1,19 +1,22 @@
-"""FastSFT's default path under the memory budget of a smaller GPU, on a CPU: some decoder layers checkpointed and
-offloaded, the others kept and replayed as graphs, micro-batches of varying length; trained as plain TRL trains.
+"""FastSFT's default path under the memory budget of a smaller GPU, on a CPU: decoder layers kept and graphed, kept
+with the MLP recomputed, checkpointed with their inputs offloaded, micro-batches of varying length; trained as plain
+TRL trains.
 
-Why: on a CPU nothing reads memory, so in the other CPU tests selective checkpointing un-checkpoints every layer and
-the paths a T4 or an L4 takes never run together: layers still checkpointed after step 1 (their inputs in the
-offload's host pool, whose idle slots then differ in size as rows vary) beside layers kept and graphed. Here they
-are forced, each speedup as its default builds it on a GPU unless said:
+Why: on a CPU nothing reads memory, so in the other CPU tests the layer plan keeps every layer and the paths a T4 or
+an L4 takes never run together: layers still checkpointed after step 1 (their inputs in the offload's host pool,
+whose idle slots then differ in size as rows vary) beside layers kept whole, kept with the MLP recomputed, and
+graphed. Here they are forced, each mode as its default builds it on a GPU unless said:
 
-- ``selective_checkpointing=True`` with fake memory readings (``selective.memory_readings``): the first look's
-  budget holds 1.5 layers at the longest micro-batch (the last layer kept), the second look's, after the first
-  optimizer step, 1.5 more (the last two kept); layers 0 and 1 stay checkpointed throughout.
+- ``selective_checkpointing=True`` with the budget's two looks replaced (``Budget.first_look`` / ``second_look``):
+  the first holds the last layer kept whole and the one before it with the MLP recomputed; the second, after the
+  first optimizer step, that layer kept whole and the one before it with the MLP recomputed; layer 0 stays
+  checkpointed and offloaded throughout (the room left is half its input).
 - ``offload_checkpointing=True``: 'auto' engages on CUDA only; on a CPU the same pack / unpack / prefetch code runs
-  with host buffers. Step 1 packs all four layers, then three, then two: idle host slots of several sizes.
+  with host buffers. Step 1 packs all four layers, then two, then one: idle host slots of several sizes.
 - ``cuda_graphs``: built as on a GPU ('auto') but on ``layer_graphs.TapeBackend`` (Python frozen at capture, as on a
-  GPU), through the ``SPEEDUPS`` table.
-- ``tiled_mlp=True`` with tiles of 64 tokens: what 'auto' does where the MLP would crowd the card.
+  GPU), through ``LAYER_MODES``.
+- ``tiled_mlp=True`` with tiles of 256 tokens: what 'auto' does where the MLP would crowd the card (step 1's rows
+  are shorter than a tile: its MLPs run whole and are measured).
 - ``cached_packing`` (its padding-free rows, the 'sdpa' kernel on a CPU), ``fused_lora``, ``sync_free_metrics``: their
   defaults. Not here: ``dequant_cache`` (a 4-bit base: tests/test_dequant_cache.py), ``fused_kernels`` (Liger needs a
   GPU), ``expandable_segments`` (CUDA's allocator).
@@ -21,15 +24,14 @@ are forced, each speedup as its default builds it on a GPU unless said:
 Rows: ``packing=False`` (the default: each micro-batch is its two rows packed padding-free into one), pre-tokenized
 rows whose micro-batches vary from 60 to 470 tokens, read in order: graph buckets 256, 384 and 512 in turn, and host
 slots regrown and reused between steps. (``packing=True`` fills its rows almost to ``max_length``: its micro-batches
-vary far less.) Before the host pool took its idle slots by identity, this run raised in the fifth micro-batch
+vary far less.) Before the host pool took its idle slots by identity, this run raised in a later micro-batch
 (``list.remove`` comparing host slots of two sizes by value).
 
 Compared with TRL's ``SFTTrainer`` on the same model, LoRA adapters (B drawn, so that every LoRA gradient counts),
 rows and order, gradient checkpointing on, 4 SGD steps of 2 micro-batches. Tolerances (fp32): losses 2e-6 relative,
 every gradient of every optimizer step within 2e-5 of its tensor's largest entry. Both paths compute in fp32; what
 differs is the order of sums: the graphs' buckets pad the GEMMs' row counts, the tiles split the MLP's, padding-free
-rows against TRL's padded batch. Measured (one thread): losses up to 1.4e-7, gradients up to 2.1e-6; the bounds
-are about ten times that. Offloading itself restores the same bytes (bitwise: tests/test_offload.py).
+rows against TRL's padded batch. Offloading itself restores the same bytes (bitwise: tests/test_offload.py).
 """
 
 from __future__ import annotations
@@ -42,10 +44,10 @@ from parity import Tol, add_lora, assert_same_run, fast_sft, tiny_lm, train
 
 from nbkit.ops.layer_graphs import GraphedLayer, TapeBackend
 from nbkit.ops.offload_lanes import _HostPool
-from nbkit.speedups import SPEEDUPS, SpeedupSpec
-from nbkit.speedups import selective_checkpointing as selective
+from nbkit.speedups import LAYER_MODES, SPEEDUPS, SpeedupSpec
 from nbkit.speedups.cuda_graphs import CudaGraphs
-from nbkit.speedups.selective_checkpointing import MARGIN, SHARE
+from nbkit.speedups.layer_budget import Budget, Look
+from nbkit.speedups.layer_plan import KEPT, MLP_RECOMPUTED, OFFLOADED
 
 LAYERS = 4  # tiny_model's
 BATCH, ACCUMULATION, STEPS = 2, 2, 4
@@ -65,39 +67,49 @@ def rows(vocab: int):
     return Dataset.from_dict({"input_ids": ids})
 
 
-def budgeted(speedup: selective.SelectiveCheckpointing, looks: list[int]):
-    """Fake readings whose budget holds 1.5 layers at each look (the peak of the second scaled back as the look
-    scales it up, to the longest micro-batch the config allows); ``looks`` collects ``kept`` at each reading."""
+def _looks(monkeypatch, seen: dict[str, Any]) -> None:
+    """The budget's two looks, sized from the runner's measured costs (see the module docstring)."""
 
-    def readings(device: Any) -> tuple[int, int, int]:
-        looks.append(speedup.kept)
-        size = max(speedup._need) if speedup._need else \
-            max(speedup._saved[i] / speedup._tokens[i] for i in speedup._saved) * speedup.max_tokens
-        room = 1.5 * size / SHARE
-        scale = max(1.0, speedup._max_tokens_planned / speedup._longest) if speedup._need and speedup._longest else 1
-        return LIMIT, int((LIMIT * (1 - MARGIN) - room) / scale), 0
+    def first(budget: Budget) -> Look:
+        c = seen["runner"].costs
+        seen["looks"].append("first")
+        return Look(c[3].kept + c[2].mlp_recomputed + c[1].input // 2, "test")
 
-    return readings
+    def second(budget: Budget, scale: float) -> Look:
+        c = seen["runner"].costs
+        seen["looks"].append("second")
+        return Look(c[2].kept - c[2].mlp_recomputed + c[1].mlp_recomputed + c[0].input // 2, "test")
+
+    monkeypatch.setattr(Budget, "first_look", first)
+    monkeypatch.setattr(Budget, "second_look", second)
 
 
-def _read_then(detach, speedup, seen: dict[str, Any]):
-    """``detach``, after reading into ``seen`` what it resets: the layers ``selective_checkpointing`` left
-    checkpointed, the buckets ``cuda_graphs`` captured."""
+def _recorded(spec: SpeedupSpec, seen: dict[str, Any]) -> SpeedupSpec:
+    """The layer runner's row, the runner kept in ``seen`` and read before it detaches."""
 
-    def read_then_detach() -> None:
-        if isinstance(speedup, CudaGraphs):
-            seen["buckets"] = sorted({v.bucket for (_, v), e in speedup._graphs.items() if isinstance(e, GraphedLayer)})
-        else:
-            seen["kept"], seen["added"] = speedup.kept, speedup.added
-            seen["checkpointed"] = [layer.gradient_checkpointing for layer in speedup._layers]
-        detach()
+    def build(args, packed, dataset=None, allows=None):
+        runner = spec.build(args, packed, dataset, allows)
+        if runner is not None and spec.name == "decoder_layers":
+            seen["runner"], detach = runner, runner.detach
 
-    return read_then_detach
+            def read_then_detach() -> None:
+                if runner.layers:
+                    seen["plans"] = [p.activations for p in runner.plans]
+                    seen["kept"], seen["added"], seen["line"] = runner.kept, runner.added, runner.line
+                    graphs = runner.graphs
+                    seen["buckets"] = sorted({v.bucket for (_, v), e in graphs._graphs.items()
+                                              if isinstance(e, GraphedLayer)})
+                detach()
+
+            runner.detach = read_then_detach
+        return runner
+
+    return SpeedupSpec(spec.name, spec.stage, build, spec.switched)
 
 
 def _run(tmp_path, monkeypatch, fast: bool, pool_calls: list) -> tuple[Any, dict[str, Any]]:
-    """One run: FastSFT with the forced default path (``fast``), else TRL's SFTTrainer; the run and what the speedups
-    did (read before the trainer detaches them)."""
+    """One run: FastSFT with the forced default path (``fast``), else TRL's SFTTrainer; the run and what the layer
+    runner did (read before the trainer detaches it)."""
     from nbkit.demo.tokenizer import load_demo_tokenizer
 
     tokenizer = load_demo_tokenizer()
@@ -115,23 +127,13 @@ def _run(tmp_path, monkeypatch, fast: bool, pool_calls: list) -> tuple[Any, dict
                            dataset=rows(len(tokenizer)), trainer_cls=SFTTrainer, **settings)
         return train(trainer, grads=True), seen
 
-    def recorded(spec: SpeedupSpec) -> SpeedupSpec:
-        def build(args, packed, dataset=None):
-            if spec.name == "cuda_graphs":
-                built = CudaGraphs(mode="auto", backend=TapeBackend()) if packed else None
-            else:
-                built = spec.build(args, packed, dataset)
-            if built is not None:
-                seen[spec.name] = built
-                if spec.name == "selective_checkpointing":
-                    monkeypatch.setattr(selective, "memory_readings", budgeted(built, seen["looks"]))
-                if spec.name in ("selective_checkpointing", "cuda_graphs"):
-                    built.detach = _read_then(built.detach, built, seen)
-            return built
+    def graphs(args, packed, dataset=None):
+        return CudaGraphs(mode="auto", backend=TapeBackend()) if packed else None
 
-        return SpeedupSpec(spec.name, spec.stage, build, spec.switched)
-
-    monkeypatch.setattr("nbkit.speedups.SPEEDUPS", tuple(recorded(spec) for spec in SPEEDUPS))
+    monkeypatch.setattr("nbkit.speedups.LAYER_MODES", tuple(
+        (name, role, graphs if name == "cuda_graphs" else make) for name, role, make in LAYER_MODES))
+    monkeypatch.setattr("nbkit.speedups.SPEEDUPS", tuple(_recorded(spec, seen) for spec in SPEEDUPS))
+    _looks(monkeypatch, seen)
     acquire = _HostPool.acquire
 
     def spied(pool: _HostPool, nbytes: int):
@@ -143,7 +145,7 @@ def _run(tmp_path, monkeypatch, fast: bool, pool_calls: list) -> tuple[Any, dict
 
     monkeypatch.setattr(_HostPool, "acquire", spied)
     trainer = fast_sft(tmp_path / "fast", model=model, lora=None, tokenizer=tokenizer, dataset=rows(len(tokenizer)),
-                       selective_checkpointing=True, offload_checkpointing=True, tiled_mlp=True, tiled_mlp_tokens=64,
+                       selective_checkpointing=True, offload_checkpointing=True, tiled_mlp=True, tiled_mlp_tokens=256,
                        **settings)
     return train(trainer, grads=True), seen
 
@@ -156,23 +158,23 @@ def test_the_default_path_under_a_budget_trains_as_plain_trl(tmp_path, one_threa
     assert_same_run(fast, plain, **TOLERANCE)
     assert len(fast.grads) == STEPS and all(any("lora_B" in n for n in step) for step in plain.grads)
 
-    # the budget: one layer kept at the first look, one more at the second, the first two checkpointed throughout
-    assert seen["kept"] == 2 and seen["added"] == 1 and seen["checkpointed"] == [True, True, False, False]
-    assert seen["looks"] == [0, 1]
-    assert f"1 of {LAYERS} layers un-checkpointed" in caplog.text
-    assert f"second look, with the plan's peak measured: 1 more of {LAYERS} layers un-checkpointed, 2 in all" \
-        in caplog.text
+    # the plan: the last layer kept at the first look, the one before it with the MLP recomputed; the second look
+    # keeps that one whole and recomputes the MLP of the one before; layer 0 checkpointed and offloaded throughout
+    assert seen["looks"] == ["first", "second"]
+    assert seen["plans"] == [OFFLOADED, MLP_RECOMPUTED, KEPT, KEPT] and seen["kept"] == 3 and seen["added"] == 1
+    assert seen["line"] == f"{LAYERS} layers: 2 kept (2 graphed), 1 with the MLP recomputed, 1 offloaded"
+    assert f"{LAYERS} layers: 1 kept (1 graphed), 1 with the MLP recomputed, 2 offloaded" in caplog.text
+    assert fast.trainer.nbkit_layer_stats["plan"] == seen["line"]
     attached = fast.trainer.nbkit_attached
     assert any(name.startswith("cached_packing") for name in attached), attached
     for name in ("fused_lora", "tiled_mlp", "offload_checkpointing", "selective_checkpointing", "cuda_graphs"):
         assert name in attached, attached
-    # the kept layers replayed as graphs, in three buckets; the checkpointed ones ran eagerly, their inputs offloaded
-    graphs = seen["cuda_graphs"]
-    assert graphs.replays > 0 and set(graphs.eager) == {"checkpointed layer"} and seen["buckets"] == [256, 384, 512]
-    micro_batches = STEPS * ACCUMULATION  # the first packs every layer, the second all but the kept one, then two
-    assert seen["offload_checkpointing"].stats.packs == LAYERS + (LAYERS - 1) + (LAYERS - 2) * (micro_batches - 2)
+    # the kept layers replayed as graphs, in three buckets; the others ran eagerly, layer 0's input offloaded
+    graphs = seen["runner"].graphs
+    assert graphs.replays > 0 and set(graphs.eager) <= {"checkpointed layer"} and seen["buckets"] == [256, 384, 512]
+    micro_batches = STEPS * ACCUMULATION  # the first packs every layer, the second two, then one
+    assert seen["runner"].offload.stats.packs == LAYERS + 2 + (micro_batches - 2)
     # what raised before the pool took slots by identity: idle slots of several sizes, one taken from behind another
     hidden = fast.trainer.model.config.hidden_size
-    assert [nbytes // (4 * hidden) for nbytes, _, _ in pool_calls] == \
-        [150] * 4 + [470] * 3 + [n for n in (60, 300, 200, 450, 340, 130) for _ in range(2)]
+    assert [nbytes // (4 * hidden) for nbytes, _, _ in pool_calls] == [150] * 4 + [470] * 2 + [60, 300, 200, 450, 340, 130]
     assert any(len(set(sizes)) > 1 and taken and taken[0] > 0 for _, sizes, taken in pool_calls), pool_calls

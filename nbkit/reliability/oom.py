@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..memory import DeviceMemory, device_memory, fmt_bytes
-from ..speedups.dequant_cache import kept_bytes
+from ..speedups.nf4_weights import kept_bytes
 
 
 class TrainingOutOfMemoryError(torch.OutOfMemoryError):

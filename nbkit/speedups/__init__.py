@@ -7,18 +7,20 @@ from the run's arguments. A speedup module wires one idea into transformers/PEFT
 - ``stage="model"``: attached to the model when ``train()`` / ``evaluate()`` starts, detached when it ends.
 - ``stage="trainer"``: attached to the trainer right after the model stage (what it changes is the trainer's step:
   its loss, its clip, its FLOPs count), detached with the others.
-- ``stage="train"``: attached to the model when training begins (``on_train_begin``: after transformers has enabled
-  gradient checkpointing on the model), detached with the others.
+
+The decoder layers have one row, ``decoder_layers``: one ``LayerRunner`` (``layer_runner``), the only nbkit wrapper
+on a decoder layer, with the modes ``LAYER_MODES`` builds from their switches (each switch turns its mode off). It
+attaches with the model stage and takes over the checkpointed layers when training begins (``begin_training``,
+the trainer's ``on_train_begin``: transformers has enabled gradient checkpointing by then); one plan per layer, from
+one memory budget (``layer_plan``, ``layer_budget``).
 
 Which rows a run may take at all is decided once, before anything changes, by ``fast_path.decide`` (the model, the
 adapter, the collator TRL built, the settings): a model or adapter the speedups were not built for gets none of
 them, and a speedup that cannot apply whole (the packed collator and packed attention go together) is not built.
 
-A speedup that decides at its first steps whether to do anything (``selective_checkpointing``, ``dequant_cache``,
-``cuda_graphs``) says so through an ``engaged`` attribute; the trainer lists it in ``nbkit_attached`` only while it
-is engaged. One that spends free GPU memory has ``before_micro_batch(index, reserved) -> int``: the trainer calls it
-before each training micro-batch, in table order, with the bytes the ones before it planned for, and it returns
-its own.
+A speedup that decides at its first steps whether to do anything says so through an ``engaged`` attribute (the
+layer runner through ``engaged_modes()``, by switch name); the trainer lists it in ``nbkit_attached`` only while it
+is engaged.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ from typing import Any, Callable, Literal, Optional
 from ..switches import switch
 from .ledger import PatchLedger, Speedup
 
-__all__ = ["SPEEDUPS", "SpeedupSpec", "PatchLedger", "Speedup", "build"]
+__all__ = ["LAYER_MODES", "SPEEDUPS", "SpeedupSpec", "PatchLedger", "Speedup", "build"]
 
 
-Stage = Literal["model", "trainer", "train"]
-STAGES: tuple[Stage, ...] = ("model", "trainer", "train")  # attach order
+Stage = Literal["model", "trainer"]
+STAGES: tuple[Stage, ...] = ("model", "trainer")  # attach order
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,8 @@ class SpeedupSpec:
 
     name: str
     stage: Stage
-    build: Callable[[Any, bool, Any], Optional[Speedup]]  # (args, batches packed by nbkit's collator, train dataset)
+    # (args, batches packed by nbkit's collator, train dataset, which names the run allows)
+    build: Callable[[Any, bool, Any, Callable[[str], bool]], Optional[Speedup]]
     switched: bool = True
 
     @property
@@ -53,7 +56,7 @@ class SpeedupSpec:
         return self.name if self.switched else None
 
 
-def _packed(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
+def _packed(args: Any, packed_batches: bool, dataset: Any = None, allows: Any = None) -> Optional[Speedup]:
     if not (switch(args, "cached_packing") and packed_batches):
         return None
     from .packed_attention import PackedAttention
@@ -61,7 +64,7 @@ def _packed(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Sp
     return PackedAttention(kernel=switch(args, "attention_kernel"))
 
 
-def _allocator(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
+def _allocator(args: Any, packed_batches: bool, dataset: Any = None, allows: Any = None) -> Optional[Speedup]:
     mode = switch(args, "expandable_segments")
     if mode is False or (mode == "auto" and getattr(args, "use_cpu", False)):
         return None
@@ -70,7 +73,7 @@ def _allocator(args: Any, packed_batches: bool, dataset: Any = None) -> Optional
     return ExpandableSegments(mode=mode)
 
 
-def _moe(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
+def _moe(args: Any, packed_batches: bool, dataset: Any = None, allows: Any = None) -> Optional[Speedup]:
     if not switch(args, "fast_moe_routing"):
         return None
     from .moe import FastMoERouting
@@ -78,7 +81,7 @@ def _moe(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speed
     return FastMoERouting()
 
 
-def _lora(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
+def _lora(args: Any, packed_batches: bool, dataset: Any = None, allows: Any = None) -> Optional[Speedup]:
     if not switch(args, "fused_lora"):
         return None
     from .fused_lora import FusedLoRA
@@ -86,7 +89,7 @@ def _lora(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Spee
     return FusedLoRA()
 
 
-def _kernels(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
+def _kernels(args: Any, packed_batches: bool, dataset: Any = None, allows: Any = None) -> Optional[Speedup]:
     mode = switch(args, "fused_kernels")
     if mode is False:
         return None
@@ -97,7 +100,7 @@ def _kernels(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[S
     return FusedKernels()
 
 
-def _tiled(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
+def _tiled(args: Any, packed_batches: bool, dataset: Any = None, allows: Any = None) -> Optional[Speedup]:
     mode = switch(args, "tiled_mlp")
     if mode is False:
         return None
@@ -106,7 +109,7 @@ def _tiled(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Spe
     return TiledMLP(tile_tokens=switch(args, "tiled_mlp_tokens"), auto=mode == "auto")
 
 
-def _offload(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
+def _offload(args: Any, packed_batches: bool, dataset: Any = None, allows: Any = None) -> Optional[Speedup]:
     mode = switch(args, "offload_checkpointing")
     if mode is False or not getattr(args, "gradient_checkpointing", False):
         return None
@@ -156,7 +159,7 @@ def dataset_micro_batch_tokens(args: Any, dataset: Any) -> Optional[int]:
     return _micro_batch(args, longest) if longest is not None else None
 
 
-def _selective(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
+def _selective(args: Any, packed_batches: bool, dataset: Any = None, allows: Any = None) -> Optional[Speedup]:
     mode = switch(args, "selective_checkpointing")
     if mode is False or not getattr(args, "gradient_checkpointing", False):
         return None
@@ -172,7 +175,7 @@ def _selective(args: Any, packed_batches: bool, dataset: Any = None) -> Optional
     return SelectiveCheckpointing(mode=mode, max_tokens=bound, accumulation=accumulation)
 
 
-def _graphs(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
+def _graphs(args: Any, packed_batches: bool, dataset: Any = None, allows: Any = None) -> Optional[Speedup]:
     mode = switch(args, "cuda_graphs")
     if mode is False or not packed_batches:
         return None  # the graphs read cached_packing's metadata
@@ -185,7 +188,7 @@ def _graphs(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Sp
     return CudaGraphs(mode=mode)
 
 
-def _dequant(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
+def _dequant(args: Any, packed_batches: bool, dataset: Any = None, allows: Any = None) -> Optional[Speedup]:
     mode = switch(args, "dequant_cache")
     if mode is False or not switch(args, "fused_lora"):
         return None  # the kept copies are read by fused_lora's layers only
@@ -198,7 +201,7 @@ def _dequant(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[S
     return DequantCache(mode=mode, dtype=compute_dtype(args))
 
 
-def _sync_free(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
+def _sync_free(args: Any, packed_batches: bool, dataset: Any = None, allows: Any = None) -> Optional[Speedup]:
     if not switch(args, "sync_free_metrics"):
         return None
     from .sync_free_loss import SyncFreeLoss
@@ -206,16 +209,42 @@ def _sync_free(args: Any, packed_batches: bool, dataset: Any = None) -> Optional
     return SyncFreeLoss()
 
 
-def _walks(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
+def _walks(args: Any, packed_batches: bool, dataset: Any = None, allows: Any = None) -> Optional[Speedup]:
     from .step_walks import CachedTrainableWalks
 
     return CachedTrainableWalks()
 
 
-def _flops(args: Any, packed_batches: bool, dataset: Any = None) -> Optional[Speedup]:
+def _flops(args: Any, packed_batches: bool, dataset: Any = None, allows: Any = None) -> Optional[Speedup]:
     from .step_flops import CachedFlops
 
     return CachedFlops()
+
+
+# The decoder layers' modes: (switch, role in the LayerRunner, builder), in the order the runner is handed them
+LAYER_MODES: tuple[tuple[str, str, Callable], ...] = (
+    ("selective_checkpointing", "keep", _selective),
+    ("offload_checkpointing", "offload", _offload),
+    ("cuda_graphs", "graphs", _graphs),
+    ("tiled_mlp", "tiled", _tiled),
+    ("dequant_cache", "dequant", _dequant),
+)
+LAYERS = "decoder_layers"
+
+
+def _layers(args: Any, packed_batches: bool, dataset: Any = None, allows: Any = None) -> Optional[Speedup]:
+    """The one layer runner, with every mode the switches (and the run's path) allow; None without any."""
+    modes = {}
+    for name, role, make in LAYER_MODES:
+        if allows is None or allows(name):
+            mode = make(args, packed_batches, dataset)
+            if mode is not None:
+                modes[role] = mode
+    if not modes:
+        return None
+    from .layer_runner import LayerRunner
+
+    return LayerRunner(**modes)
 
 
 SPEEDUPS: tuple[SpeedupSpec, ...] = (
@@ -224,14 +253,10 @@ SPEEDUPS: tuple[SpeedupSpec, ...] = (
     SpeedupSpec("fast_moe_routing", "model", _moe),
     SpeedupSpec("fused_lora", "model", _lora),
     SpeedupSpec("fused_kernels", "model", _kernels),
-    SpeedupSpec("tiled_mlp", "model", _tiled),  # after fused_kernels: it wraps the MLP forward found
+    SpeedupSpec(LAYERS, "model", _layers, switched=False),  # after fused_kernels: the MLP forward it found is run
     SpeedupSpec("sync_free_metrics", "trainer", _sync_free),
     SpeedupSpec("step_walks", "trainer", _walks, switched=False),
     SpeedupSpec("step_flops", "trainer", _flops, switched=False),
-    SpeedupSpec("offload_checkpointing", "train", _offload),
-    SpeedupSpec("selective_checkpointing", "train", _selective),  # after offload: it wraps the checkpoint found
-    SpeedupSpec("dequant_cache", "train", _dequant),  # after selective: activations plan their memory first
-    SpeedupSpec("cuda_graphs", "train", _graphs),  # graphs the layers left un-checkpointed
 )
 
 
@@ -242,6 +267,7 @@ def build(stage: str, args: Any, packed_batches: bool, dataset: Any = None, path
     """The speedups of ``stage`` this run's arguments (and its train dataset, where they need it) switch on, in
     table order (attach order). ``path``: the run's ``fast_path.FastPath``, decided once before anything changed;
     a row it does not allow is not built (none, for a run it keeps on TRL's own path)."""
-    built = (spec.build(args, packed_batches, dataset) for spec in SPEEDUPS
-             if spec.stage == stage and (path is None or path.allows(spec.name)))
+    allows = path.allows if path is not None else None
+    built = (spec.build(args, packed_batches, dataset, allows) for spec in SPEEDUPS
+             if spec.stage == stage and (allows is None or spec.name == LAYERS or allows(spec.name)))
     return [s for s in built if s is not None]

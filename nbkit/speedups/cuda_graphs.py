@@ -55,20 +55,19 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..memory import fmt_bytes, gpu_in_use, gpu_reserved, memory_readings
-from ..model_parts import decoder_layers, unwrap_model
+from ..memory import fmt_bytes, gpu_in_use, gpu_reserved
 from ..ops.layer_graphs import CudaGraphBackend, GraphedLayer, UnreachedParameters, replay
 from ..ops.varlen_attention import KERNEL_FNS, PackedRun
 from ..say_once import SayOnce
 from ..settings import check_value
 from .graph_buckets import BUCKETS, DROPPED_KWARGS, TOKENWISE_KWARGS, BucketMetadata, bucket_for, doc_capacity, rope_key
-from .ledger import PatchLedger
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +75,6 @@ Mode = Union[bool, Literal["auto"]]
 MAX_TOKENS = 8192  # beyond this a layer's kernels are long enough to hide their launches: eager
 AUTO_MAX_WORK = 6e11  # 'auto': a layer's parameters x a bucket's tokens, at most (BENCHMARKS.md, cuda_graphs)
 MAX_CAPTURES = 2 * len(BUCKETS)  # capture calls (buckets, argument states, layers un-checkpointed late)
-RESERVE = 0.10  # of the memory this process may use, left free at least when capturing another layer's graphs
 _FUSED_KERNELS = (KERNEL_FNS["varlen"], KERNEL_FNS["flash_attn"])
 _NONE_KWARGS = ("attention_mask", "past_key_values", "past_key_value", "cache")
 _MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -146,11 +144,11 @@ def _recapture(entry: Union[GraphedLayer, Eager]) -> bool:
     return isinstance(entry, Eager) and entry.kind is Kind.CHECKPOINTED
 
 
-def _layer_reason(layer: torch.nn.Module) -> Optional[Eager]:
+def _layer_reason(runner: Any, layer: Any) -> Optional[Eager]:
     """Why this layer's call runs eagerly whatever the forward (None: it may run on graphs)."""
-    if not layer.training or not torch.is_grad_enabled():
+    if not layer.module.training or not torch.is_grad_enabled():
         return NOT_TRAINING
-    if getattr(layer, "gradient_checkpointing", False):
+    if not runner.plans[layer.index].graphed:
         return CHECKPOINTED
     return None
 
@@ -170,10 +168,12 @@ def _why_not_model(base: torch.nn.Module, layers: list[torch.nn.Module]) -> Opti
 
 
 class CudaGraphs:
-    """Replay un-checkpointed decoder layers as CUDA graphs, one set per token bucket (see module docstring).
+    """Replay kept decoder layers as CUDA graphs, one set per token bucket (see module docstring).
 
-    Since the last attach (kept after detach): ``captured`` counts the (layer, bucket) pairs captured, ``replays``
-    the graphed layer calls, ``eager`` the calls that ran eagerly, by reason, ``recomputed`` those of them that were
+    An engine of the layer runner (``layer_runner``): ``prepare`` says whether the model can be graphed at all, and
+    the runner calls ``call`` for each layer its plan graphs. Since the last attach (kept after detach): ``captured``
+    counts the (layer, bucket) pairs captured, ``capture_s`` the seconds spent capturing, ``replays`` the graphed
+    layer calls, ``eager`` the calls that ran eagerly, by reason, ``recomputed`` those of them that were
     checkpointed, and ``reused`` the forwards that replayed a larger bucket for want of memory for their own.
     """
 
@@ -185,21 +185,21 @@ class CudaGraphs:
         self.mode = mode
         self.backend = backend if backend is not None else CudaGraphBackend()
         self.max_tokens = self._given_max = max_tokens
-        self._ledger = PatchLedger(self.name)
         self._say = SayOnce(logger, "nbkit cuda_graphs")
+        self._runner: Any = None
         self._reset()
         self._count()
 
     def _count(self) -> None:
         self.captured = 0
+        self.capture_s = 0.0
         self.replays = 0
         self.recomputed = 0
         self.reused = 0
         self.eager: dict[str, int] = {}
 
     def _reset(self) -> None:
-        self._layers: list[torch.nn.Module] = []
-        self._originals: list[Callable] = []
+        self._layers: list[Any] = []  # the runner's Layer records
         self._graphs: dict[tuple[int, Variant], Union[GraphedLayer, Eager]] = {}  # its graphs, or why it has none
         self._shared: dict[int, BucketMetadata] = {}  # by bucket
         self._captures = 0
@@ -216,20 +216,22 @@ class CudaGraphs:
         """Whether any layer call has run as a graph replay."""
         return self.replays > 0
 
-    # ------------------------------------------------------------------------------------------------ attach/detach
-    def attach(self, model: torch.nn.Module) -> bool:
-        self.detach()
+    def counters(self) -> dict:
+        """The counters, for benchmarks."""
+        return {"captured": self.captured, "captures": self._captures, "capture_s": round(self.capture_s, 3),
+                "replays": self.replays, "eager": dict(self.eager), "recomputed": self.recomputed,
+                "reused": self.reused}
+
+    # ---------------------------------------------------------------------------------------------- the runner's
+    def prepare(self, runner: Any, base: torch.nn.Module) -> bool:
+        """Whether ``runner``'s layers can be graphed at all (a CUDA model without MoE or dropout; for 'auto', a
+        layer small enough for its launches to matter)."""
+        self._reset()
         self._count()
+        self._runner = runner
         if self.mode is False:
             return False
-        layers = decoder_layers(model)
-        if layers is None:
-            self._say("old", "this transformers has no decoder layer class to find; stays off")
-            return False
-        base = unwrap_model(model)
-        if not layers:
-            self._say("nolayers", f"no decoder layers found in {type(base).__name__}; stays off")
-            return False
+        layers = [layer.module for layer in runner.layers]
         param = next(base.parameters(), None)
         wanted = self.backend.device_type
         if wanted is not None and (param is None or param.device.type != wanted):
@@ -239,55 +241,66 @@ class CudaGraphs:
         if why:
             self._say("model", f"off: {why}")
             return False
-        kind = type(layers[0])
-        self._layers = [m for m in layers if type(m) is kind]
         self.max_tokens = self._given_max
         if self.mode == "auto":  # large layers keep the GPU busy on their own: their launches hide behind them
-            per_layer = layer_parameters(self._layers[0])
+            per_layer = layer_parameters(layers[0])
             self.max_tokens = min(self._given_max, int(AUTO_MAX_WORK // max(per_layer, 1)))
             if bucket_for(1, self.max_tokens) is None:
                 self._say("large", f"off: a decoder layer of {per_layer / 1e6:.0f}M parameters keeps the GPU busy "
                           "without graphs ('auto'; cuda_graphs=True forces them)", logging.INFO)
-                self._layers = []
                 return False
-        for i, layer in enumerate(self._layers):
-            self._originals.append(layer.forward)
-            self._ledger.set(layer, "forward", self._wrapper(i, layer))
+        self._layers = list(runner.layers)
         return True
 
-    def detach(self) -> None:
-        self._ledger.undo()
+    def release(self) -> None:
+        """The runner detaches: drop the graphs (the counters stay)."""
         self._reset()
 
+    # ----------------------------------------------------------------------------------------------- on its own
+    def attach(self, model: torch.nn.Module) -> bool:
+        """Outside FastSFT: a layer runner with this engine alone (every layer kept: the un-checkpointed ones graph;
+        checkpointed layers stay checkpointed)."""
+        from .layer_runner import standalone
+
+        self.detach()
+        self._count()
+        runner = standalone(self, "graphs", model)
+        self._runner = runner
+        return runner.graphs is self
+
+    def detach(self) -> None:
+        runner = self._runner
+        if runner is not None and runner.graphs is self:
+            runner.detach()
+        self._reset()
+        self._runner = None
+
     # ------------------------------------------------------------------------------------------------------- calls
-    def _wrapper(self, index: int, layer: torch.nn.Module) -> Callable:
-        original = self._originals[index]
-
-        def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            why = _layer_reason(layer)
-            if why is None:
-                plan = self._plan(hidden_states, args, kwargs)
-                graphs = plan if isinstance(plan, Eager) else self._graphs_for(index, plan, hidden_states, kwargs)
-                if isinstance(graphs, Eager):
-                    why = graphs
-                elif graphs.x.requires_grad != hidden_states.requires_grad:
-                    why = OTHER_GRAD
-                elif not self._shared[plan.bucket].load(hidden_states.shape[1], kwargs, rope_key(layer)):
-                    why = OTHER_ROPE
-                else:
-                    self.replays += 1
-                    return replay(graphs, hidden_states)
-            self._say(f"eager:{why.text}", f"a layer call ran eagerly: {why.text}", logging.INFO)
-            self.eager[why.text] = self.eager.get(why.text, 0) + 1
-            if index in self._graphed and why is not CHECKPOINTED and torch.is_grad_enabled() and layer.training \
-                    and not self._eager_keeps_activations(hidden_states, kwargs):
-                # its graphs' pool holds its activations already: a second copy outside it is what runs a
-                # GPU near its limit out of memory, so this call keeps only its input and recomputes
-                self.recomputed += 1
-                return checkpoint(original, hidden_states, *args, use_reentrant=False, **kwargs)
-            return original(hidden_states, *args, **kwargs)
-
-        return forward
+    def call(self, runner: Any, layer: Any, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+        """One call of a layer the plan graphs: a replay, or the eager layer (said once per reason, counted)."""
+        index, original = layer.index, layer.original
+        why = _layer_reason(runner, layer)
+        if why is None:
+            plan = self._plan(hidden_states, args, kwargs)
+            graphs = plan if isinstance(plan, Eager) else self._graphs_for(index, plan, hidden_states, kwargs)
+            if isinstance(graphs, Eager):
+                why = graphs
+            elif graphs.x.requires_grad != hidden_states.requires_grad:
+                why = OTHER_GRAD
+            elif not self._shared[plan.bucket].load(hidden_states.shape[1], kwargs, rope_key(layer.module)):
+                why = OTHER_ROPE
+            else:
+                self.replays += 1
+                return replay(graphs, hidden_states)
+        self._say(f"eager:{why.text}", f"a layer call ran eagerly: {why.text}", logging.INFO)
+        self.eager[why.text] = self.eager.get(why.text, 0) + 1
+        if index in self._graphed and why is not CHECKPOINTED and torch.is_grad_enabled() and layer.module.training \
+                and not self._eager_keeps_activations(hidden_states, kwargs):
+            # its graphs' pool holds its activations already: a second copy outside it is what runs a
+            # GPU near its limit out of memory, so this call keeps only its input and recomputes
+            self.recomputed += 1
+            return checkpoint(original, hidden_states, *args, use_reentrant=False, **kwargs)
+        return original(hidden_states, *args, **kwargs)
 
     def _eager_keeps_activations(self, x: torch.Tensor, kwargs: dict) -> bool:
         """Whether this forward's eager calls of graphed layers keep their activations: whether every graphed
@@ -351,7 +364,7 @@ class CudaGraphs:
         bucket's pools beside the others' are what runs a GPU near its limit out of memory."""
         if self._layer_bytes is None or any(v == variant for _, v in self._graphs):
             return variant
-        eligible = sum(1 for layer in self._layers if not getattr(layer, "gradient_checkpointing", False))
+        eligible = sum(1 for layer in self._layers if self._runner.plans[layer.index].graphed)
         if self._memory_problem(x.device, variant.bucket, max(eligible, 1)) is None:
             return variant
         larger = sorted({v for (i, v), e in self._graphs.items() if isinstance(e, GraphedLayer)
@@ -383,24 +396,32 @@ class CudaGraphs:
         one memory pool (each call its own: a layer captured later replays between the others), and each backward
         before any replay has written the static inputs autograd saved."""
         self._captures += 1
+        started = time.perf_counter()
+        try:
+            self._capture_from(first, variant, x, kwargs)
+        finally:
+            self.capture_s += time.perf_counter() - started
+
+    def _capture_from(self, first: int, variant: Variant, x: torch.Tensor, kwargs: dict) -> None:
         pool = self.backend.pool()
         bucket = variant.bucket
         reserved = gpu_reserved(x.device)
         shared = self._shared.get(bucket)
         if shared is None:
             shared = self._shared[bucket] = BucketMetadata(bucket, kwargs["nbkit_run"].kernel, x.device)
-        shared.load(x.shape[1], kwargs, rope_key(self._layers[first]))
+        shared.load(x.shape[1], kwargs, rope_key(self._layers[first].module))
         captured: list[GraphedLayer] = []
         attempted: list[int] = []
         x_grad = x.requires_grad
         try:
             for i in range(first, len(self._layers)):
-                layer, entry = self._layers[i], self._graphs.get((i, variant))
+                record, entry = self._layers[i], self._graphs.get((i, variant))
+                layer = record.module
                 if entry is not None and not _recapture(entry):  # captured, or a lasting reason
                     x_grad = True
                     continue
                 why: Optional[Eager] = None
-                if getattr(layer, "gradient_checkpointing", False):
+                if not self._runner.plans[i].graphed:
                     why = CHECKPOINTED
                 elif _hooked(layer):
                     why = HOOKED
@@ -416,7 +437,7 @@ class CudaGraphs:
                 attempted.append(i)
                 if shared.grad_out is None:
                     shared.grad_out = x.new_zeros((1, bucket, x.shape[-1]))
-                graphs = GraphedLayer(layer, self._originals[i], shared.grad_out, x_grad,
+                graphs = GraphedLayer(layer, record.original, shared.grad_out, x_grad,
                                       shared.static_kwargs(kwargs, rope_key(layer)), shared.grad_out, self.backend,
                                       pool, label=f"decoder layer {i}")
                 before = gpu_in_use(x.device)
@@ -448,19 +469,8 @@ class CudaGraphs:
                       logging.INFO)
 
     def _memory_problem(self, device: torch.device, bucket: int, layers: int = 1) -> Optional[str]:
-        """Why ``layers`` more layers' graphs at ``bucket`` tokens do not fit now, or None. The free memory is the
-        limit less what the allocator has reserved, not less what tensors hold: the graphs' pools keep their memory
-        reserved between replays, and no other allocation can use it."""
-        readings = memory_readings(device) if self._layer_bytes is not None else None
-        if readings is None:  # off CUDA, or the first layer: nothing to size by yet
+        """Why ``layers`` more layers' graphs at ``bucket`` tokens do not fit now, or None (the run's budget decides:
+        ``Budget.graphs_room``). Nothing to size by before the first layer's graphs were measured."""
+        if self._layer_bytes is None or self._runner is None or self._runner.budget is None:
             return None
-        limit, peak, allocated = readings
-        reserved = max(gpu_reserved(device), allocated)
-        need = layers * self._layer_bytes * bucket // self._layer_bucket
-        # what the step may still need beyond what it holds now: the peak so far above the present, at least RESERVE
-        headroom = max(RESERVE * limit, peak - allocated)
-        if limit - reserved - need < headroom:
-            return (f"no memory for more graphs ({(limit - reserved) / 2**30:.1f} GiB not reserved, "
-                    f"{'a layer' if layers == 1 else f'{layers} layers'}' graphs take ~{need / 2**30:.2f} GiB and "
-                    f"{headroom / 2**30:.1f} GiB stay free for the step)")
-        return None
+        return self._runner.budget.graphs_room(layers * self._layer_bytes * bucket // self._layer_bucket)

@@ -4,7 +4,7 @@ Why and the numerics: ``nbkit.ops.lora_linear``. This module decides which layer
 adapter, no DoRA/variant, no LoRA bias, dropout 0, not merged, a frozen ``nn.Linear`` or bitsandbytes ``Linear4bit``
 base, not ``fan_in_fan_out``) and gives each an instance ``forward`` through the ledger. At call time anything
 unusual (adapters disabled, merged, ``adapter_names`` mixing) runs PEFT's own forward. A 4-bit base's weight is
-dequantized at each call, unless ``dequant_cache`` keeps a dequantized copy of it.
+dequantized at each call, unless the layer plan keeps a dequantized copy of it (``nf4_weights``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from ..ops.lora_linear import fused_lora_linear
-from .dequant_cache import dequantize, kept_weight
 from .ledger import PatchLedger
+from .nf4_weights import is_linear4bit, weight_of
 
 logger = logging.getLogger(__name__)
 
@@ -31,18 +31,12 @@ def _dense_weight(base: nn.Linear) -> Callable[[torch.dtype], torch.Tensor]:
 
 def _nf4_weight(base: nn.Module) -> Callable[[torch.dtype], torch.Tensor]:
     def weight(dtype: torch.dtype) -> torch.Tensor:
-        kept = kept_weight(base, dtype)  # dequant_cache's copy, where it keeps one
-        return kept if kept is not None else dequantize(base, dtype)
+        return weight_of(base, dtype)  # the copy the layer plan kept, where it keeps one
 
     return weight
 
 
-def _is_linear4bit(module: nn.Module) -> bool:
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        return False
-    return isinstance(module, bnb.nn.Linear4bit)
+_is_linear4bit = is_linear4bit
 
 
 def _is_lora_linear(module: nn.Module) -> bool:

@@ -45,26 +45,14 @@ import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ..memory import shares_host_memory
-from ..model_parts import is_decoder_layer, unwrap_model
 from ..ops.offload_lanes import OffloadStats, _Lane, _Packed
 from ..say_once import SayOnce
 from ..settings import check_value
-from .ledger import PatchLedger
 
 logger = logging.getLogger(__name__)
 
 Mode = Union[bool, Literal["auto"]]
 _MiB = 2**20
-_FFN_NAMES = ("mlp", "feed_forward", "block_sparse_moe")  # a decoder layer's feed-forward submodule, by family
-
-
-def _ffn_of(module: torch.nn.Module) -> Optional[torch.nn.Module]:
-    """The layer's feed-forward submodule (whose backward is the layer's memory peak), if it has a known one."""
-    for name in _FFN_NAMES:
-        sub = module._modules.get(name)
-        if isinstance(sub, torch.nn.Module):
-            return sub
-    return None
 
 
 def _arm_after_ffn(lane: _Lane, site: list, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -93,58 +81,46 @@ def _arm_after_ffn(lane: _Lane, site: list, module: torch.nn.Module, args: tuple
     return args, {**kwargs, key: x}
 
 
-class _InstalledCheckpoint:
-    """What nbkit puts in a layer's ``_gradient_checkpointing_func``: the user's checkpoint, offloaded when on."""
+def _offloaded_checkpoint(owner: OffloadedCheckpointing, layer: Any, function: Callable, x: torch.Tensor,
+                          args: tuple, kwargs: dict) -> Any:
+    """One offloaded checkpointed call: non-reentrant checkpoint with the layer's input packed into the host pool."""
+    lane = owner._lane_for(x)
+    if lane is None:  # not this call: the user's checkpoint, untouched
+        return layer.checkpoint(functools.partial(function, **kwargs), x, *args)
+    # The saved tensor keeps its pack hook alive: the hook must not keep the input alive, so it holds it in a list
+    # that is emptied once the input is packed.
+    target = [x]
+    site: list = [None]  # weakref to this call's _Packed, for the MLP pre-hook
+    name = layer.name
 
-    def __init__(self, owner: OffloadedCheckpointing, module: torch.nn.Module, name: str, previous: Callable,
-                 ckpt_kwargs: dict) -> None:
-        self.owner, self.previous, self.ckpt_kwargs = owner, previous, ckpt_kwargs
-        self.name = name
-        self.ffn = _ffn_of(module)
-
-    def __call__(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
-        plan = self.owner._plan(args)
-        if plan is None:
-            return self.previous(function, *args, **kwargs)  # the plain path, untouched
-        lane, x = plan
-        # The saved tensor keeps its pack hook alive: the hook must not keep the input alive, so it holds it in a
-        # list that is emptied once the input is packed.
-        target = [x]
-        site: list = [None]  # weakref to this call's _Packed, for the MLP pre-hook
-        del plan, x
-
-        def pack(t: torch.Tensor) -> Any:
-            x = target[0]
-            same = x is not None and (t is x or (t.data_ptr(), t.shape, t.dtype) == (x.data_ptr(), x.shape, x.dtype))
-            if same:
-                target[0] = None
-                packed = lane.pack(t, self.name)
-                if packed is not None:
-                    site[0] = weakref.ref(packed)
-                    return packed
-                self.owner.stats.kept += 1
-            return t
-
-        # Scoped to this call: the recompute (in backward) runs without it.
-        handle = None
-        if self.ffn is not None and lane.nbuf > 1:
-            handle = self.ffn.register_forward_pre_hook(functools.partial(_arm_after_ffn, lane, site),
-                                                        with_kwargs=True)
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
-                return torch_checkpoint(function, *args, **{**self.ckpt_kwargs, **kwargs})
-        finally:
+    def pack(t: torch.Tensor) -> Any:
+        x = target[0]
+        same = x is not None and (t is x or (t.data_ptr(), t.shape, t.dtype) == (x.data_ptr(), x.shape, x.dtype))
+        if same:
             target[0] = None
-            if handle is not None:
-                handle.remove()
+            packed = lane.pack(t, name)
+            if packed is not None:
+                site[0] = weakref.ref(packed)
+                return packed
+            owner.stats.kept += 1
+        return t
+
+    # Scoped to this call: the recompute (in backward) runs without it.
+    handle = None
+    if layer.mlp is not None and lane.nbuf > 1:
+        handle = layer.mlp.register_forward_pre_hook(functools.partial(_arm_after_ffn, lane, site), with_kwargs=True)
+    ckpt_kwargs = owner._ckpt_kwargs.get(id(layer), {"use_reentrant": False})
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            return torch_checkpoint(function, x, *args, **{**ckpt_kwargs, **kwargs})
+    finally:
+        target[0] = None
+        if handle is not None:
+            handle.remove()
 
 
 def _unpack(obj: Any) -> torch.Tensor:
     return obj.lane.unpack(obj) if isinstance(obj, _Packed) else obj
-
-
-def _is_layer(module: torch.nn.Module) -> bool:
-    return is_decoder_layer(module) is not False  # a transformers without the layer class: every checkpointed module
 
 
 def _checkpoint_kwargs(func: Callable) -> Optional[dict]:
@@ -163,14 +139,14 @@ def _checkpoint_kwargs(func: Callable) -> Optional[dict]:
 class OffloadedCheckpointing:
     """Keep checkpointed layer inputs in CPU memory; restore each one ahead of its recompute, after the MLP peak.
 
-    Contract: call ``attach(model)`` after gradient checkpointing is enabled on ``model`` (a transformers model, or
-    a PEFT / accelerate wrapper of one). It installs nbkit's checkpoint function on exactly the modules that are
-    checkpointed (``every_n_layers`` respected), keeping the user's checkpoint kwargs, and returns whether it is
-    active. ``detach()`` restores the previous functions and frees the host pool and GPU buffers.
+    An engine of the layer runner (``layer_runner``): the runner calls ``checkpoint`` for each layer its plan
+    offloads. ``take`` says whether it can (non-reentrant checkpointing with the user's kwargs kept; 'auto': a CUDA
+    GPU that is not integrated), ``engages`` decides at the first training call ('auto': one layer input of at least
+    ``min_bytes``, said once). Outside FastSFT, ``attach(model)`` (gradient checkpointing enabled) runs it alone on
+    every checkpointed decoder layer; ``detach()`` frees the host pool and GPU buffers.
 
-    ``mode``: True (always, CPU included), False (never), "auto" (CUDA, not an integrated GPU, and one layer input of
-    at least ``min_bytes``, decided at the first training step and said once). Eval and no-grad / inference mode
-    always take the plain path. ``trace``: keep the last ``trace`` events (``("unpack", layer, "hit"|"miss")``,
+    ``mode``: True (always, CPU included), False (never), "auto". Eval and no-grad / inference mode always take the
+    plain path. ``trace``: keep the last ``trace`` events (``("unpack", layer, "hit"|"miss")``,
     ``("ffn_backward_done", layer, "")``, ``("prefetch", layer, "after_ffn"|"at_unpack")``) in ``self.trace``, for
     tests and benchmarks; 0 keeps none.
     """
@@ -188,69 +164,91 @@ class OffloadedCheckpointing:
         self.max_inflight = max(1, int(max_inflight))  # D2H copies the host may run ahead of before waiting
         self.stats = OffloadStats()
         self.trace: Optional[collections.deque] = collections.deque(maxlen=trace) if trace else None
-        self._installed: list[_InstalledCheckpoint] = []
-        self._ledger = PatchLedger(self.name)
         self._lanes: dict[torch.device, _Lane] = {}
+        self._ckpt_kwargs: dict[int, dict] = {}
         self._decided: Optional[bool] = None if mode == "auto" else bool(mode)
+        self._taken = False
+        self._runner: Any = None
         self._say = SayOnce(logger, "nbkit offload")
 
     @property
     def active(self) -> bool:
-        """Installed and not switched off by the first step's 'auto' decision."""
-        return bool(self._installed) and self._decided is not False
+        """Taken by a runner and not switched off by the first step's 'auto' decision."""
+        return self._taken and self._decided is not False
 
-    # ------------------------------------------------------------------------------------------------ attach/detach
-    def attach(self, model: torch.nn.Module) -> bool:
-        self.detach()
+    @property
+    def engaged(self) -> bool:
+        return self.stats.packs > 0
+
+    # ---------------------------------------------------------------------------------------------- the runner's
+    def take(self, runner: Any, checkpointed: list) -> bool:
+        """Whether the offload can run ``checkpointed`` layers (the runner's ``Layer`` records)."""
+        self._runner = runner
         if self.mode is False:
             self._say("off", "off (offload_checkpointing=False)", logging.INFO)
             return False
-        base = unwrap_model(model)
-        targets = [
-            (name, m)
-            for name, m in base.named_modules()
-            if getattr(m, "gradient_checkpointing", False) is True
-            and callable(getattr(m, "_gradient_checkpointing_func", None))
-        ]
-        if not targets:
-            self._say("nogc", f"gradient checkpointing is not enabled on {type(base).__name__}; offload stays off")
+        if not checkpointed:
+            self._say("nogc", "gradient checkpointing is not enabled on the decoder layers; offload stays off")
             return False
         if self.mode == "auto":
-            why = self._auto_refusal(base)
+            why = self._auto_refusal(runner.budget.device)
             if why:
                 self._say("auto", f"off ({why})", logging.INFO)
                 return False
-        plans = []
-        for name, m in targets:
-            prev = m._gradient_checkpointing_func
-            kwargs = _checkpoint_kwargs(prev)
+        kwargs_of = {}
+        for layer in checkpointed:
+            kwargs = _checkpoint_kwargs(layer.checkpoint)
             if kwargs is None:
-                self._say("func", f"{type(m).__name__} has a custom checkpoint function ({prev!r}); offload stays off")
+                self._say("func", f"{type(layer.module).__name__} has a custom checkpoint function "
+                          f"({layer.checkpoint!r}); offload stays off")
                 return False
             if kwargs.get("use_reentrant", False):
                 self._say("reentrant", "gradient_checkpointing_kwargs has use_reentrant=True; offload needs "
                           "non-reentrant checkpointing and stays off")
                 return False
-            kwargs["use_reentrant"] = False
-            plans.append((name, m, prev, kwargs))
-        for name, m, prev, kwargs in plans:
-            inst = _InstalledCheckpoint(self, m, name or type(m).__name__, prev, kwargs)
-            self._ledger.set(m, "_gradient_checkpointing_func", inst)
-            self._installed.append(inst)
-        layers = sum(_is_layer(m) for _, m, _, _ in plans)
-        timed = sum(inst.ffn is not None for inst in self._installed)
-        self._say("on", f"installed on {layers} checkpointed layers of {type(base).__name__} "
+            kwargs_of[id(layer)] = {**kwargs, "use_reentrant": False}
+        self._ckpt_kwargs, self._taken = kwargs_of, True
+        timed = sum(layer.mlp is not None for layer in checkpointed)
+        self._say("on", f"ready for {len(checkpointed)} checkpointed layers "
                   f"({'double' if self.double_buffer else 'single'} buffer, mode={self.mode!r}; "
-                  f"{timed} of {len(plans)} prefetch after their MLP backward)", logging.INFO)
+                  f"{timed} of {len(checkpointed)} prefetch after their MLP backward)", logging.INFO)
         return True
 
-    def detach(self) -> None:
-        self._ledger.undo()
-        self._installed.clear()
+    def engages(self, x: torch.Tensor) -> bool:
+        """At the first training call: whether checkpointed inputs go to host memory this run."""
+        if self._decided is None:  # 'auto', first training step
+            nbytes = x.numel() * x.element_size()
+            self._decided = x.is_cuda and not shares_host_memory(x.device) and nbytes >= self.min_bytes
+            self._say("decide", f"{'on' if self._decided else 'off'}: one layer input is {nbytes / _MiB:.1f} MiB on "
+                      f"{x.device} (threshold {self.min_bytes / _MiB:.0f} MiB)", logging.INFO)
+        return bool(self._decided)
+
+    def checkpoint(self, layer: Any, function: Callable, x: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+        """Run ``function`` (the layer's forward) checkpointed, its input ``x`` offloaded."""
+        return _offloaded_checkpoint(self, layer, function, x, args, kwargs)
+
+    def release(self) -> None:
+        """The runner detaches: free the host pool and the GPU buffers."""
         for lane in self._lanes.values():
             lane.close()
         self._lanes.clear()
+        self._ckpt_kwargs, self._taken = {}, False
         self._decided = None if self.mode == "auto" else bool(self.mode)
+
+    # ----------------------------------------------------------------------------------------------- on its own
+    def attach(self, model: torch.nn.Module) -> bool:
+        """Outside FastSFT: a layer runner with this engine alone (gradient checkpointing enabled on ``model``)."""
+        from .layer_runner import standalone
+
+        self.detach()
+        self._runner = standalone(self, "offload", model)
+        return self._runner.offload is self
+
+    def detach(self) -> None:
+        if self._runner is not None and self._runner.offload is self:
+            self._runner.detach()
+        self.release()
+        self._runner = None
 
     def reset(self) -> None:
         """After a step that raised (an OOM): give back the GPU memory held for it; the host pool stays for reuse."""
@@ -258,28 +256,19 @@ class OffloadedCheckpointing:
             lane.reset()
 
     # ------------------------------------------------------------------------------------------------------ policy
-    def _auto_refusal(self, base: torch.nn.Module) -> Optional[str]:
-        param = next(base.parameters(), None)
-        device = param.device if param is not None else torch.device("cpu")
+    def _auto_refusal(self, device: torch.device) -> Optional[str]:
         if device.type != "cuda":
             return f"model on {device.type}; 'auto' offloads only from CUDA GPUs"
         if shares_host_memory(device):
             return "integrated GPU shares host memory; nothing to gain"
         return None
 
-    def _plan(self, args: tuple) -> Optional[tuple[_Lane, torch.Tensor]]:
+    def _lane_for(self, x: Any) -> Optional[_Lane]:
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return None
-        x = args[0] if args else None
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return None
-        if self._decided is None:  # 'auto', first training step
-            nbytes = x.numel() * x.element_size()
-            integrated = shares_host_memory(x.device)
-            self._decided = x.is_cuda and not integrated and nbytes >= self.min_bytes
-            self._say("decide", f"{'on' if self._decided else 'off'}: one layer input is {nbytes / _MiB:.1f} MiB on "
-                      f"{x.device} (threshold {self.min_bytes / _MiB:.0f} MiB)", logging.INFO)
-        if not self._decided:
+        if not self.engages(x):
             return None
         lane = self._lanes.get(x.device)
         if lane is None:
@@ -287,8 +276,7 @@ class OffloadedCheckpointing:
         if lane.live_offloaded(x):
             self.stats.kept += 1
             return None
-        return lane, x
-
+        return lane
 
     def _trace(self, kind: str, layer: str, detail: str) -> None:
         if self.trace is not None:

@@ -1,22 +1,20 @@
 """The decoder's dense MLPs run over tiles of the sequence (``tiled_mlp``), for rows too long to train otherwise.
 
 Why: with gradient checkpointing, the layer being recomputed holds its MLP's (tokens x intermediate) activations for
-its backward; at long context they are the largest tensors of the step (Llama-3.1-8B: 14,336 wide, ~28 KiB a token
-in bf16 each, three of them), and they, not the checkpointed layer inputs, decide how long a row fits.
-``nbkit.ops.tiled_mlp`` computes the MLP tile by tile and recomputes each tile in backward, so only one tile's
-activations exist at a time. The price is one more MLP forward per layer in backward.
+its backward; at long context they are the largest tensors of the step (Llama-3.1-8B: 14,336 wide, three of them),
+and they, not the checkpointed layer inputs, decide how long a row fits. ``nbkit.ops.tiled_mlp`` computes the MLP
+tile by tile and recomputes each tile in backward, so only one tile's activations exist at a time. The price is one
+more MLP forward per layer in backward.
 
-How it hooks in: each decoder layer's dense MLP (a module with ``gate_proj``, ``up_proj`` and ``down_proj``, no
-``experts``) gets an instance ``forward``, through the ledger, that calls the forward it found (transformers', or
-fused_kernels' when that attached first) through ``tiled_mlp`` when the call has more tokens than one tile, and
-directly otherwise: short rows pay one comparison. MoE blocks and other MLPs keep their forward.
+How it runs: a mode of the layer runner (``layer_runner``), which owns each decoder layer's MLP ``forward`` and asks
+``wants`` at each call of a dense MLP (``gate_proj``, ``up_proj``, ``down_proj``, no ``experts``) with more tokens
+than one tile; short rows pay one comparison. MoE blocks and other MLPs are never tiled.
 
-``auto`` (the default): a call is tiled only when its untiled MLP would crowd the GPU, judged per call from the
-allocator's counters (host-side, no sync): the MLP's working set, ~6 (tokens x intermediate) tensors, counts once it
-is 1/16 of the GPU's memory (the per-process fraction applied), and the call is tiled when the memory in use plus
-that working set would pass 90% of it. The decision is made once per input shape and kept: a checkpointed layer's
-recompute must save what its forward saved (non-reentrant checkpointing checks), whatever the memory then. Rows
-that fit run the plain MLP at full speed; off a CUDA GPU it does not attach.
+``auto`` (the default): a call is tiled only when its untiled MLP would crowd the GPU, judged per call by the run's
+budget (``layer_budget.Budget.crowded``: the MLP's working set, ~6 (tokens x intermediate) tensors, beside what is in
+use and what backward adds, past the budget's margin). The decision is made once per input shape and kept: a
+checkpointed layer's recompute must save what its forward saved (non-reentrant checkpointing checks), whatever the
+memory then. Off a CUDA GPU 'auto' takes no part.
 
 Contract: the same math as the plain MLP (it is the same forward, called on slices of the tokens); gradients of the
 MLP's trainable parameters (LoRA adapters, or the full weights) summed over tiles in fp32. Parity with the plain
@@ -26,15 +24,13 @@ path: tests/test_tiled_mlp_speedup.py.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from ..memory import gpu_in_use, gpu_limit
-from ..model_parts import unwrap_model
+from ..memory import gpu_limit
 from ..ops.tiled_mlp import tiled_mlp
-from .ledger import PatchLedger
 
 logger = logging.getLogger(__name__)
 
@@ -44,50 +40,14 @@ def _is_dense_mlp(module: nn.Module) -> bool:
 
 
 WORKING_SET = 6  # (tokens x intermediate) tensors of one MLP call and its backward: gate, up, their product, grads
-COUNTS_FROM = 1 / 16  # of the GPU's memory: below that, a call's MLP is not worth a look at the allocator
-FILL = 0.9
-
-
-def needs_tiles(tokens: int, intermediate: int, elem_bytes: int, limit: int, in_use: Callable[[], int]) -> bool:
-    """'auto''s rule: whether the untiled MLP of a call would take the GPU past ``FILL`` of ``limit`` bytes.
-    ``in_use`` (bytes held by tensors) is read only for calls whose MLP counts."""
-    need = WORKING_SET * tokens * intermediate * elem_bytes
-    return need >= COUNTS_FROM * limit and in_use() + need > FILL * limit
-
-
-def _tiled_forward(forward: Callable[[torch.Tensor], torch.Tensor], module: nn.Module,
-                   tile_tokens: int, auto_intermediate: Optional[int] = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    decided: dict[tuple, bool] = {}  # auto: one decision per input shape, so a checkpoint's recompute repeats it
-
-    def forward_in_tiles(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() < 2 or x.shape[-2] <= tile_tokens:
-            return forward(x)
-        if auto_intermediate is not None:
-            key = (tuple(x.shape), x.dtype, x.device)
-            if key not in decided:
-                if len(decided) > 256:
-                    decided.clear()
-                limit = gpu_limit(x.device)
-                tokens = x.numel() // x.shape[-1]
-                # in use now, plus what backward adds beside the MLP (the hidden states' gradients, ~4 of x)
-                decided[key] = limit is not None and needs_tiles(
-                    tokens, auto_intermediate, x.element_size(), limit,
-                    lambda: gpu_in_use(x.device) + 4 * x.numel() * x.element_size())
-            if not decided[key]:
-                return forward(x)
-        # read at call time, not kept from attach: whatever the module holds now (cuda_graphs swaps in stand-ins)
-        trainable = [p for p in module.parameters() if p.requires_grad]
-        return tiled_mlp(forward, x, trainable, tile_tokens=tile_tokens)
-
-    forward_in_tiles.nbkit_tiled = True
-    return forward_in_tiles
 
 
 class TiledMLP:
-    """Speedup: the dense MLPs of one model run over tiles of ``tile_tokens`` tokens while attached.
+    """The tiled-MLP mode: the decoder's dense MLPs over tiles of ``tile_tokens`` tokens while the runner runs.
 
     ``tile_tokens=None``: tiles of the model's hidden size in tokens, so one tile's (tokens x intermediate)
-    activation is the size of one MLP weight. ``auto``: only calls that would crowd the GPU are tiled (``needs_tiles``).
+    activation is the size of one MLP weight. ``auto``: only calls that would crowd the GPU are tiled. ``count``: the
+    dense MLPs it may tile.
     """
 
     name = "tiled_mlp"
@@ -97,35 +57,73 @@ class TiledMLP:
             raise ValueError(f"tiled_mlp: tile_tokens must be at least 1, not {tile_tokens}")
         self.tile_tokens = tile_tokens
         self.auto = auto
-        self._ledger = PatchLedger(self.name)
         self.count = 0
+        self._tile = 0
+        self._intermediate: Optional[int] = None
+        self._decided: dict[tuple, bool] = {}  # auto: one decision per input shape
+        self._runner: Any = None
 
-    def attach(self, model: nn.Module) -> bool:
-        self.detach()
-        base = unwrap_model(model)
+    # ---------------------------------------------------------------------------------------------- the runner's
+    def prepare(self, runner: Any, base: nn.Module) -> bool:
+        """Whether this mode takes part for ``base`` (a tile size, dense MLPs, and for 'auto' a CUDA GPU)."""
+        self._runner, self._decided, self.count = runner, {}, 0
         config = getattr(base, "config", None)
         text = config.get_text_config() if config is not None else None
         hidden = getattr(text, "hidden_size", None)
-        tile = self.tile_tokens or hidden
-        if not tile:
+        self._tile = self.tile_tokens or hidden or 0
+        if not self._tile:
             logger.info("nbkit: tiled_mlp found no hidden_size in the config and no tile_tokens; plain MLPs kept")
             return False
-        intermediate = None
         if self.auto:
-            device = next((p.device for p in base.parameters()), torch.device("cpu"))
-            if gpu_limit(device) is None:
-                logger.info("nbkit: tiled_mlp='auto' stays off: the model is on %s, not a CUDA GPU", device.type)
+            if gpu_limit(runner.budget.device) is None:
+                logger.info("nbkit: tiled_mlp='auto' stays off: the model is on %s, not a CUDA GPU",
+                            runner.budget.device.type)
                 return False
-            intermediate = getattr(text, "intermediate_size", None) or 4 * (hidden or tile)
-        for module in base.modules():
-            if _is_dense_mlp(module) and not getattr(module.forward, "nbkit_tiled", False):
-                wrapped = _tiled_forward(module.forward, module, tile, intermediate)
-                self._ledger.set(module, "forward", wrapped)
-                self.count += 1
+            self._intermediate = getattr(text, "intermediate_size", None) or 4 * (hidden or self._tile)
+        from .layer_runner import ffn_of
+
+        self.count = sum(1 for layer in runner.layers if (m := ffn_of(layer.module)) is not None and _is_dense_mlp(m))
         if not self.count:
             logger.info("nbkit: tiled_mlp found no dense MLP (gate/up/down projections) in this model; plain kept")
         return self.count > 0
 
+    def wants(self, runner: Any, layer: Any, x: torch.Tensor) -> bool:
+        """Whether this call of ``layer``'s MLP runs in tiles."""
+        if x.dim() < 2 or x.shape[-2] <= self._tile or layer.mlp is None or not _is_dense_mlp(layer.mlp):
+            return False
+        if self._intermediate is None:
+            return True
+        key = (tuple(x.shape), x.dtype, x.device)
+        if key not in self._decided:
+            if len(self._decided) > 256:
+                self._decided.clear()
+            tokens = x.numel() // x.shape[-1]
+            need = WORKING_SET * tokens * self._intermediate * x.element_size()
+            # beside what is in use, what backward adds around the MLP (the hidden states' gradients, ~4 of x)
+            self._decided[key] = runner.budget.crowded(need, extra=4 * x.numel() * x.element_size())
+        return self._decided[key]
+
+    def bind(self, layer: Any, forward: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``forward`` of ``layer``'s MLP, over tiles."""
+        module, tile = layer.mlp, self._tile
+
+        def forward_in_tiles(x: torch.Tensor) -> torch.Tensor:
+            # read at call time: whatever the module holds now (graph captures swap in stand-ins)
+            trainable = [p for p in module.parameters() if p.requires_grad]
+            return tiled_mlp(forward, x, trainable, tile_tokens=tile)
+
+        return forward_in_tiles
+
+    # ----------------------------------------------------------------------------------------------- on its own
+    def attach(self, model: nn.Module) -> bool:
+        """Outside FastSFT: a layer runner with this mode alone."""
+        from .layer_runner import standalone
+
+        self.detach()
+        self._runner = standalone(self, "tiled", model)
+        return self._runner.tiled is self
+
     def detach(self) -> None:
-        self._ledger.undo()
-        self.count = 0
+        if self._runner is not None and self._runner.tiled is self:
+            self._runner.detach()
+        self._runner = None

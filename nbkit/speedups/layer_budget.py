@@ -1,0 +1,111 @@
+"""One run's GPU memory budget for its decoder layers: the readings and the margins in one place.
+
+Why one budget: what a decoder layer keeps between its forward and its backward (activations, a graph's pool, a
+dequantized weight) is spent from the same memory. Each decision reads it here, with the same margin, at a moment
+the layer plan chooses, so two decisions never count the same free bytes twice.
+
+The readings are the allocator's host-side counters and one driver query of the device's free memory
+(``nbkit.memory.memory_readings``: the per-process fraction applied): no host sync. Off CUDA there are none and
+every method says so (None), except where a test hands in its own ``readings``.
+
+- ``start()``: at the first training micro-batch, what tensors hold (the model, before any optimizer state).
+- ``first_look()``: after step 1, what the plan may spend: ``SHARE`` of the limit less ``MARGIN`` of it, less the peak
+  so far and what persistent memory grew since ``start`` (optimizer state). ``SHARE`` keeps a quarter back for what
+  step 1 could not show (a longer row, the optimizer's first step).
+- ``second_look(scale)``: after the first optimizer step the plan ran, the same from the peak the plan made, its part
+  above what is held between micro-batches scaled to the longest micro-batch (``scale``), the allocator's reserved
+  memory counted where it is more (graph pools keep theirs reserved).
+- ``graphs_room(need)``: whether ``need`` more bytes of graph pools fit now; the pools' memory is reserved for good, so
+  the room is the limit less what is reserved, and the step's own peak above the present must stay free.
+- ``crowded(need, in_use)``: whether a call that needs ``need`` more bytes would take the GPU past the margin (the tiled
+  MLP's test; calls below ``COUNTS_FROM`` of the limit are never crowded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..memory import MemoryReadings, fmt_bytes, gpu_in_use, gpu_limit, gpu_reserved, memory_readings
+
+MARGIN = 0.10  # of the limit, never planned for: allocator fragmentation, kernels' workspaces
+SHARE = 0.75  # of what is left at a look: what the plan may spend
+COUNTS_FROM = 1 / 16  # of the limit: a call needing less is never crowded
+
+
+@dataclass(frozen=True)
+class Look:
+    """What a look found: ``spend`` bytes for the plan, and ``why`` in words (for the plan's line)."""
+
+    spend: int
+    why: str
+
+
+class Budget:
+    """The memory budget of one run on one device. ``readings``: where the numbers come from (tests pass their
+    own; default ``nbkit.memory.memory_readings``)."""
+
+    def __init__(self, device: torch.device,
+                 readings: Optional[Callable[[torch.device], Optional[MemoryReadings]]] = None) -> None:
+        self.device = device
+        self._readings = readings or memory_readings
+        self._allocated_at_start: Optional[int] = None
+
+    @property
+    def measured(self) -> bool:
+        """Whether this device has memory counters (a CUDA GPU, or a test's readings)."""
+        return self.read() is not None
+
+    def read(self) -> Optional[MemoryReadings]:
+        return self._readings(self.device)
+
+    def start(self) -> None:
+        """Note what tensors hold as training starts (once: a later call changes nothing)."""
+        if self._allocated_at_start is None:
+            readings = self.read()
+            self._allocated_at_start = readings[2] if readings is not None else 0
+
+    def first_look(self) -> Optional[Look]:
+        readings = self.read()
+        if readings is None:
+            return None
+        limit, peak, allocated = readings
+        grown = max(0, allocated - (self._allocated_at_start if self._allocated_at_start is not None else allocated))
+        spend = max(0, int(SHARE * (limit * (1 - MARGIN) - peak - grown)))
+        return Look(spend, f"{fmt_bytes(spend)} to spend: {SHARE:.0%} of the {fmt_bytes(limit)} limit less "
+                           f"{MARGIN:.0%}, the {fmt_bytes(peak)} peak and {fmt_bytes(grown)} grown since step 1")
+
+    def second_look(self, scale: float) -> Optional[Look]:
+        readings = self.read()
+        if readings is None:
+            return None
+        limit, peak, allocated = readings
+        projected = allocated + int(max(0, peak - allocated) * max(1.0, scale))
+        used = max(projected, gpu_reserved(self.device))
+        spend = max(0, int(SHARE * (limit * (1 - MARGIN) - used)))
+        return Look(spend, f"{fmt_bytes(spend)} to spend: {SHARE:.0%} of the {fmt_bytes(limit)} limit less "
+                           f"{MARGIN:.0%} and the {fmt_bytes(used)} the plan's peak comes to at the longest "
+                           "micro-batch, reserved memory counted where it is more")
+
+    def graphs_room(self, need: int) -> Optional[str]:
+        """None when ``need`` more bytes of graph pools fit now; else why not, in words."""
+        readings = self.read()
+        if readings is None:
+            return None
+        limit, peak, allocated = readings
+        reserved = max(gpu_reserved(self.device), allocated)
+        headroom = max(MARGIN * limit, peak - allocated)  # what the step may still need beyond what it holds
+        if limit - reserved - need < headroom:
+            return (f"no memory for more graphs ({(limit - reserved) / 2**30:.1f} GiB not reserved, the graphs take "
+                    f"~{need / 2**30:.2f} GiB and {headroom / 2**30:.1f} GiB stay free for the step)")
+        return None
+
+    def crowded(self, need: int, extra: int = 0) -> bool:
+        """Whether ``need`` more bytes (plus ``extra`` that the call adds beside them) would take the GPU past
+        ``1 - MARGIN`` of its limit; False off CUDA and for calls below ``COUNTS_FROM`` of the limit."""
+        limit = gpu_limit(self.device) if self.device.type == "cuda" else None
+        if limit is None or need < COUNTS_FROM * limit:
+            return False
+        return gpu_in_use(self.device) + extra + need > (1 - MARGIN) * limit
