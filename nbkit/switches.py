@@ -100,19 +100,21 @@ SWITCHES: tuple[Switch, ...] = (
     ),
     Switch(
         "selective_checkpointing", "auto", values=AUTO_BOOL,
-        summary="The last layers whose activations fit in free GPU memory skip checkpointing's recompute; same losses.",
-        help="With gradient checkpointing on, leave the last decoder layers whose activations fit in the GPU's free "
-        "memory un-checkpointed (no recompute in backward for them); the rest stay checkpointed (and offloaded, when "
-        "offload_checkpointing is on). Decided once, after the first step, from what one layer saves per token "
+        summary="The last layers whose activations fit in free GPU memory skip the recompute (or recompute only the MLP).",
+        help="With gradient checkpointing on, let the layer plan keep the activations of the last decoder layers that "
+        "fit in the GPU's free memory (no recompute in backward for them), and where a whole layer does not fit, its "
+        "attention's with only the MLP recomputed; the rest stay checkpointed (offloaded, when offload_checkpointing "
+        "is on, unless their inputs fit on the GPU). Planned after the first step from what each layer saves "
         "(measured in that step's recompute), the peak memory so far and the longest micro-batch "
         "(per_device_train_batch_size x max_length, or x the dataset's longest tokenized example without "
-        "max_length). 'auto': on CUDA; True: also on a CPU (every layer un-checkpointed there). Same losses and "
-        "gradients (bitwise on a CPU); more GPU memory in use, up to what was free.",
+        "max_length), and once more after the first optimizer step; the plan is said in one line. 'auto': on CUDA; "
+        "True: also on a CPU (every layer kept there). Same losses and gradients; more GPU memory in use, up to what "
+        "was free.",
     ),
     Switch(
         "cuda_graphs", "auto", values=AUTO_BOOL,
         summary="Un-checkpointed dense layers replay forward and backward as CUDA graphs: short rows skip Python's launches.",
-        help="Replay each decoder layer that is not checkpointed (every layer without gradient checkpointing, or "
+        help="Replay each decoder layer the layer plan keeps whole (every layer without gradient checkpointing, or "
         "those selective_checkpointing keeps) as one CUDA graph in the forward and one in the backward, so short rows "
         "are not bound by Python's kernel launches. Micro-batches are padded up to buckets of 256 to 8,192 tokens "
         "(the padding is one more document, with a zero gradient), one set of graphs per bucket, captured at its "
@@ -154,12 +156,12 @@ SWITCHES: tuple[Switch, ...] = (
         "dequant_cache", "auto", values=AUTO_BOOL,
         summary="Fused LoRA layers' frozen 4-bit weights kept dequantized where memory is to spare; same numbers.",
         help="Keep the frozen 4-bit base weights of the LoRA layers fused_lora runs dequantized, in the step's compute "
-        "dtype, instead of dequantizing each twice a step (forward, and backward for the input gradient). Decided once, "
-        "before the second micro-batch, after selective_checkpointing (activations first): 'auto' keeps all of them "
-        "when they fit in half of the GPU memory left (the limit less 10 percent, the peak so far, the optimizer state "
-        "and the activations selective_checkpointing planned for), else none, said once; True: always (also on a CPU); "
-        "False: never. The kept tensor is what the dequantization returns: outputs and gradients bit for bit the same. "
-        "Costs 2 bytes a weight (a 1.7B model: about 3 GB).",
+        "dtype, instead of dequantizing each twice a step (forward, and backward for the input gradient). Planned "
+        "layer by layer with the activations, from the same budget and after them (three quarters of the GPU memory "
+        "left after the first step: the limit less 10 percent, the peak so far and the optimizer state), and again "
+        "after the first optimizer step; 'auto': on CUDA; True: every layer (also on a CPU); False: never. The kept "
+        "tensor is what the dequantization returns: outputs and gradients bit for bit the same. Costs 2 bytes a "
+        "weight (a 1.7B model: about 3 GB).",
     ),
     Switch(
         "fused_kernels", "auto", values=AUTO_BOOL,
