@@ -4,7 +4,9 @@ On a CPU there are no graphs; ``CudaGraphs(backend=TapeBackend())`` runs the sam
 and autograd function with an eager re-run of the layer in place of each replay. What these tests prove is what the
 graphs' dataflow does to the numbers: a micro-batch padded into its bucket gives the eager layers' loss and LoRA
 gradients (fp32, to 1e-5 relative: only the GEMMs' row counts differ), the padding never leaks into real tokens, and
-every call a graph cannot take runs eagerly with its reason counted. The GPU test
+every call a graph cannot take runs eagerly with its reason counted. The graphs are an engine of the layer runner
+(``layer_runner``): ``CudaGraphs.attach`` runs it in a runner of its own, and FastSFT through its ``decoder_layers``
+row; which layers replay is the runner's plan (``plans[i].graphed``), the memory test its budget's. The GPU test
 (``tests/gpu/test_cuda_graphs_gpu.py``) checks the same parity with real captures.
 """
 
@@ -21,11 +23,13 @@ from nbkit.demo.models import tiny_model
 from nbkit.demo.tokenizer import load_demo_tokenizer
 from nbkit.ops.layer_graphs import TapeBackend
 from nbkit.ops.packed_boundaries import metadata_from_lengths
-from nbkit.speedups import SPEEDUPS, SpeedupSpec
+from nbkit.speedups import LAYER_MODES, SPEEDUPS, layer_budget
 from nbkit.speedups import cuda_graphs as graphs_mod
 from nbkit.speedups.cuda_graphs import MAX_TOKENS, CudaGraphs
 from nbkit.speedups.fused_lora import FusedLoRA
 from nbkit.speedups.graph_buckets import BUCKETS, bucket_for, doc_capacity
+from nbkit.speedups.layer_budget import Budget
+from nbkit.speedups.layer_runner import LayerRunner
 from nbkit.speedups.packed_attention import PackedAttention
 
 VOCAB = 97
@@ -101,6 +105,8 @@ def test_padded_replays_give_the_eager_layers_loss_and_lora_gradients(caplog):
     assert graphs.eager == {}
     assert graphs.replays == layers * len(BATCHES)
     assert graphs.captured == layers * 2  # buckets 384 (300 tokens, 384) and 256 (240 tokens)
+    counters = graphs.counters()
+    assert counters["captures"] == 2 and graphs.capture_s > 0 and counters["capture_s"] == round(graphs.capture_s, 3)
 
 
 def test_the_padding_is_its_own_document_with_a_zero_gradient():
@@ -135,20 +141,30 @@ def test_a_second_forward_before_the_backward_is_refused():
 
 
 def test_calls_a_graph_cannot_take_run_eagerly_with_their_reason():
+    """Training calls a graph cannot take run eagerly, counted by reason. Calls outside training (eval, no grad)
+    never reach the graphs: the runner calls the layer's own forward, which gives the same output as without it."""
     model = _model()
     graphs = CudaGraphs(mode=True, backend=TapeBackend(), max_tokens=256)
     for s in (PackedAttention(kernel="sdpa"), FusedLoRA(), graphs):
         s.attach(model)
+    runner = graphs._runner
     many_docs = _batch([6] * 40, seed=4)  # 40 documents: above the 256 bucket's 32
     long_row = _batch([200, 100], seed=5)  # 300 tokens: above max_tokens
     model(**many_docs).loss.backward()
     model(**long_row).loss.backward()
+    assert runner.forwards == 2 and all(p.graphed for p in runner.plans)
     model.eval()
+    short = _batch([100], seed=6)  # a row the graphs would take in training
     with torch.no_grad():
-        model(**_batch([100], seed=6))
+        evaluated = model(**short).logits
+        training_with_no_grad = model.train()(**short).logits
+    assert runner.forwards == 2  # neither was a training forward of the runner
     assert graphs.replays == 0 and graphs.captured == 0
-    assert graphs.eager == {"more documents than the bucket holds": 4, "more than 256 tokens": 4,
-                            "not training": 4}  # 4 layers
+    assert graphs.eager == {"more documents than the bucket holds": 4, "more than 256 tokens": 4}  # 4 layers
+    graphs.detach()
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(**short).logits, evaluated, rtol=0, atol=0)
+        torch.testing.assert_close(model.train()(**short).logits, training_with_no_grad, rtol=0, atol=0)
 
 
 def test_a_layer_with_hooks_inside_runs_eagerly():
@@ -187,17 +203,18 @@ def test_auto_graphs_only_buckets_small_enough_for_the_launches_to_matter(monkey
 
 def test_another_layer_is_captured_only_while_the_step_keeps_its_headroom(monkeypatch):
     """What is not reserved of the process's limit, less the graphs asked for (a layer's measured graphs scaled to the
-    bucket), must stay above 10% of the limit and above the step's peak so far less what it holds now (readings as
-    selective_checkpointing takes them: the limit, the peak, allocated now). Reserved, not allocated: the graphs'
-    pools keep their memory between replays, and no other allocation can use it."""
+    bucket), must stay above 10% of the limit and above the step's peak so far less what it holds now (the run's
+    budget, ``Budget.graphs_room``, from its readings: the limit, the peak, allocated now). Reserved, not allocated:
+    the graphs' pools keep their memory between replays, and no other allocation can use it."""
     gib = 2**30
-    graphs = CudaGraphs(mode=True)
-    graphs._layer_bytes, graphs._layer_bucket = 1 * gib, 4096
-    cuda = torch.device("cuda", 0)
     readings = {"peak": 25 * gib, "limit": 32 * gib, "reserved": 20 * gib}
-    monkeypatch.setattr(graphs_mod, "memory_readings",
-                        lambda device: (readings["limit"], readings["peak"], 20 * gib) if device.type == "cuda" else None)
-    monkeypatch.setattr(graphs_mod, "gpu_reserved", lambda device: readings["reserved"])
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: readings["reserved"])
+    runner = LayerRunner()
+    runner.budget = Budget(cuda, readings=lambda device: (readings["limit"], readings["peak"], 20 * gib))
+    graphs = CudaGraphs(mode=True)
+    graphs._runner = runner
+    graphs._layer_bytes, graphs._layer_bucket = 1 * gib, 4096
     readings.update(limit=100 * gib)
     assert graphs._memory_problem(cuda, 4096) is None  # 80 - 1 >= max(10, 25 - 20)
     readings.update(limit=32 * gib)
@@ -207,14 +224,16 @@ def test_another_layer_is_captured_only_while_the_step_keeps_its_headroom(monkey
     readings.update(reserved=27 * gib)  # 7 GiB held by pools, not by tensors
     assert "5.0 GiB not reserved" in graphs._memory_problem(cuda, 4096)
     readings.update(reserved=20 * gib, peak=32 * gib)
-    assert "12.0 GiB not reserved" in graphs._memory_problem(cuda, 4096)  # the step may still need 12 GiB more
+    assert "12.0 GiB stay free" in graphs._memory_problem(cuda, 4096)  # the step may still need 12 GiB more
     readings.update(peak=20 * gib, limit=31.5 * gib)
     assert graphs._memory_problem(cuda, 4096) is None  # 11.5 - 1 >= 3.15
     readings.update(limit=22 * gib)
-    assert graphs._memory_problem(cuda, 4096) is not None  # 2 - 1 < 10% of the limit
-    assert graphs._memory_problem(torch.device("cpu"), 4096) is None
+    assert "2.2 GiB stay free" in graphs._memory_problem(cuda, 4096)  # 2 - 1 < 10% of the limit
     graphs._layer_bytes = None
     assert graphs._memory_problem(cuda, 4096) is None  # the first layer: nothing to size by yet
+    graphs._layer_bytes = 1 * gib
+    runner.budget = Budget(torch.device("cpu"))  # off CUDA: no readings, nothing refused
+    assert graphs._memory_problem(torch.device("cpu"), 4096) is None
 
 
 def _attached(model, graphs):
@@ -316,7 +335,7 @@ def test_it_does_not_attach_where_graphs_cannot_repeat_the_step():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# FastSFT: the switch in the table, attached at train time, engaged after selective_checkpointing decides
+# FastSFT: the mode in the layer runner's row, attached at train time, graphing the layers the plan keeps
 
 
 def _train(tmp_path, monkeypatch, graphs_on: bool, checkpointing: bool, batch: int = 2, accumulation: int = 2,
@@ -329,10 +348,12 @@ def _train(tmp_path, monkeypatch, graphs_on: bool, checkpointing: bool, batch: i
         built.append(CudaGraphs(mode=True, backend=TapeBackend()))
         return built[-1]
 
-    table = tuple(SpeedupSpec(s.switch, s.stage, emulated) if s.switch == "cuda_graphs" else s for s in SPEEDUPS)
-    monkeypatch.setattr("nbkit.speedups.SPEEDUPS", table)
+    monkeypatch.setattr("nbkit.speedups.LAYER_MODES", tuple(
+        (name, role, emulated if name == "cuda_graphs" else make) for name, role, make in LAYER_MODES))
     tok = load_demo_tokenizer()
     model = tiny_model(family, len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
+    forwards = []  # training forwards (micro-batches), counted outside the decoder layers
+    model.get_input_embeddings().register_forward_hook(lambda m, inputs, output: forwards.append(1) if m.training else None)
     args = FastSFTConfig(
         output_dir=str(tmp_path / f"g{graphs_on}{checkpointing}{family}"), max_steps=steps, per_device_train_batch_size=batch,
         gradient_accumulation_steps=accumulation, learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
@@ -345,21 +366,28 @@ def _train(tmp_path, monkeypatch, graphs_on: bool, checkpointing: bool, batch: i
                       callbacks=[grads])
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return losses, grads.steps, trainer.nbkit_attached, (built[0] if built else None)
+    return (losses, grads.steps, trainer.nbkit_attached, (built[0] if built else None), trainer.nbkit_layer_stats,
+            len(forwards))
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_fastsft_with_graphs_trains_as_without(tmp_path, monkeypatch, checkpointing):
+    """Every micro-batch's layers replay, except step 1's under checkpointing: it runs every layer checkpointed, as
+    the user asked (a checkpointed layer is never graphed: its recompute would not be); the plan made at the 2nd
+    forward keeps them all (selective checkpointing forced, no memory counters on a CPU), and graphs them."""
     plain = _train(tmp_path, monkeypatch, graphs_on=False, checkpointing=checkpointing)
     graphed = _train(tmp_path, monkeypatch, graphs_on=True, checkpointing=checkpointing)
     torch.testing.assert_close(graphed[0], plain[0], rtol=1e-5, atol=0)
     _close(graphed[1], plain[1])
-    speedup = graphed[3]
+    speedup, stats = graphed[3], graphed[4]
     assert "cuda_graphs" in graphed[2] and "cuda_graphs" not in plain[2]
-    assert speedup.replays > 0 and speedup.captured > 0
-    if checkpointing:  # step 1 ran every layer checkpointed, as asked; the decision un-checkpointed them
-        assert speedup.eager.get("checkpointed layer", 0) > 0
-    assert set(speedup.eager) <= {"checkpointed layer"}
+    layers, forwards = 4, graphed[5]
+    assert forwards >= 4 and speedup.replays == layers * (forwards - 1 if checkpointing else forwards) and speedup.captured > 0
+    assert speedup.eager == {}  # the runner calls the graphs for graphed layers only: step 1's ran checkpointed
+    assert stats["plan"] == f"{layers} layers: {layers} kept ({layers} graphed)"
+    assert stats["replays"] == speedup.replays and stats["captured"] == speedup.captured
+    assert speedup.capture_s > 0 and stats["capture_s"] == round(speedup.capture_s, 3)
+    assert "replays" not in plain[4]
     assert not speedup._graphs  # detached: graphs dropped
 
 
@@ -383,13 +411,17 @@ def test_graphs_train_as_without_under_accumulation_and_tiling(tmp_path, monkeyp
     assert ("tiled_mlp" in graphed[2]) == tiled
 
 
-def test_the_switch_is_in_the_table_and_off_on_a_cpu():
-    assert [s.switch for s in SPEEDUPS][-1] == "cuda_graphs"
-    spec = next(s for s in SPEEDUPS if s.switch == "cuda_graphs")
-    assert spec.build(FastSFTConfig(output_dir="x", use_cpu=True, report_to=[]), True) is None
-    assert spec.build(FastSFTConfig(output_dir="x", cuda_graphs=False, report_to=[]), True) is None
-    forced = spec.build(FastSFTConfig(output_dir="x", use_cpu=True, cuda_graphs=True, report_to=[]), True)
-    assert isinstance(forced, CudaGraphs)  # True on a CPU: built, and its attach says why it stays off
+def test_the_mode_is_in_the_layer_runner_and_off_on_a_cpu():
+    assert ("cuda_graphs", "graphs") in [(name, role) for name, role, _ in LAYER_MODES]
+    build = next(make for name, _, make in LAYER_MODES if name == "cuda_graphs")
+    assert build(FastSFTConfig(output_dir="x", use_cpu=True, report_to=[]), True) is None
+    assert build(FastSFTConfig(output_dir="x", cuda_graphs=False, report_to=[]), True) is None
+    forced = FastSFTConfig(output_dir="x", use_cpu=True, cuda_graphs=True, report_to=[])
+    assert isinstance(build(forced, True), CudaGraphs)  # True on a CPU: built, and its attach says why it stays off
+    assert build(forced, False) is None  # the graphs read cached_packing's metadata
+    row = next(spec for spec in SPEEDUPS if spec.name == "decoder_layers")
+    runner = row.build(forced, True)
+    assert isinstance(runner, LayerRunner) and isinstance(runner.graphs, CudaGraphs)
 
 
 def test_forcing_graphs_on_a_cpu_says_why_they_stay_off(caplog):

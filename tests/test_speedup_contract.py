@@ -4,10 +4,14 @@
 config, and every module-level function of the transformers/PEFT modules loaded. While attached, the speedup must
 have changed something (else the comparison would prove nothing), and its ledger must hold every change. The only
 global act allowed is registering ``"nbkit"`` with transformers' attention/experts interfaces. A speedup that changes
-the model only once training runs (``selective_checkpointing`` decides after its first step, ``dequant_cache``
-before the second micro-batch) is exercised with training steps (or the trainer's call) while attached, so the
-changes it makes then are held to the contract too. A trainer-stage speedup (``stage="trainer"``) is attached to a
-tiny ``FastSFT`` and held to the same for the trainer's own attributes and its model.
+the model only once training runs is exercised with training steps while attached, so the changes it makes then are
+held to the contract too. A trainer-stage speedup (``stage="trainer"``) is attached to a tiny ``FastSFT`` and held to
+the same for the trainer's own attributes and its model.
+
+The decoder layers' row (``decoder_layers``, one ``LayerRunner``) is held to it with every mode on at once, trained
+through its plan's first and second looks (the checkpointed layers taken over, weights kept dequantized, kept layers
+replayed as graphs, MLPs tiled); and each mode on its own (``mode.attach(model)``: a standalone runner with that
+mode alone), since that is how a mode is used outside FastSFT.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from peft import LoraConfig, get_peft_model
 
 from nbkit.demo.models import tiny_model
 from nbkit.ops.layer_graphs import TapeBackend
-from nbkit.speedups import SPEEDUPS
+from nbkit.ops.packed_boundaries import metadata_from_lengths
+from nbkit.speedups import LAYER_MODES, SPEEDUPS
 from nbkit.speedups.cuda_graphs import CudaGraphs
 from nbkit.speedups.dequant_cache import DequantCache
 from nbkit.speedups.expandable_segments import ExpandableSegments, current_settings
 from nbkit.speedups.fused_kernels import FusedKernels, KernelOps
 from nbkit.speedups.fused_lora import FusedLoRA
+from nbkit.speedups.layer_runner import LayerRunner
 from nbkit.speedups.moe import FastMoERouting
 from nbkit.speedups.offload import OffloadedCheckpointing
 from nbkit.speedups.packed_attention import PackedAttention
@@ -110,18 +116,43 @@ def _trainer() -> Any:
                    peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
 
 
+def _runner_model() -> torch.nn.Module:
+    """LoRA over NF4 bases, checkpointed, with packed attention and fused LoRA attached (what the runner's modes need:
+    checkpointed layers to keep or offload, fused 4-bit bases to keep dequantized, packed rows to replay as graphs).
+    Those two are part of the model as found: the contract is the runner's."""
+    model = _gc(_four_bit_lora())
+    for speedup in (PackedAttention(kernel="sdpa"), FusedLoRA()):
+        assert speedup.attach(model)
+    return model
+
+
+def _all_modes() -> LayerRunner:
+    return LayerRunner(keep=SelectiveCheckpointing(mode=True, max_tokens=32), offload=OffloadedCheckpointing(mode=True),
+                       graphs=CudaGraphs(mode=True, backend=TapeBackend()), tiled=TiledMLP(tile_tokens=8),
+                       dequant=DequantCache(mode=True))
+
+
+def _train_runner(model: torch.nn.Module, runner: LayerRunner) -> None:
+    """As FastSFT drives it: training begins, step 1 (every layer checkpointed and offloaded), the first look at the
+    2nd forward, an optimizer step, the second look at the next."""
+    assert runner.begin_training(model)
+    meta = metadata_from_lengths([20, 12])
+    ids = torch.randint(0, VOCAB, (1, 32), generator=torch.Generator().manual_seed(0))
+    for step in range(3):
+        model(input_ids=ids, labels=ids, use_cache=False, **meta).loss.backward()
+        if step == 1:
+            runner.optimizer_stepped()
+    assert runner.planned and runner.offload.engaged and runner.dequant.engaged and runner.graphs.replays > 0
+    assert runner.tiled is not None and runner.kept == len(runner.layers), runner.line
+
+
 # name -> (target builder: the model, or the trainer for stage "trainer"; speedup builder). Every row must be here.
 CASES: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
     "cached_packing": (lambda: tiny_model("qwen3", VOCAB), lambda: PackedAttention(kernel="auto")),
     "fast_moe_routing": (lambda: _lora(tiny_model("qwen3_moe", VOCAB)), FastMoERouting),
     "fused_lora": (lambda: _lora(tiny_model("llama", VOCAB)), FusedLoRA),
     "fused_kernels": (lambda: tiny_model("gemma3", VOCAB), lambda: FusedKernels(ops=_torch_ops())),
-    "offload_checkpointing": (lambda: _gc(tiny_model("qwen3", VOCAB)), lambda: OffloadedCheckpointing(mode=True)),
-    "tiled_mlp": (lambda: _lora(tiny_model("llama", VOCAB)), lambda: TiledMLP(tile_tokens=8)),
-    "selective_checkpointing": (lambda: _gc(_lora(tiny_model("qwen3", VOCAB))),
-                                lambda: SelectiveCheckpointing(mode=True, max_tokens=32)),
-    "dequant_cache": (_four_bit_lora, lambda: DequantCache(mode=True)),
-    "cuda_graphs": (lambda: _lora(tiny_model("qwen3", VOCAB)), lambda: CudaGraphs(mode=True, backend=TapeBackend())),
+    "decoder_layers": (_runner_model, _all_modes),
     "expandable_segments": (lambda: tiny_model("qwen3", VOCAB), lambda: ExpandableSegments(mode=True)),
     "sync_free_metrics": (_trainer, SyncFreeLoss),
     "step_walks": (_trainer, CachedTrainableWalks),
@@ -129,8 +160,21 @@ CASES: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
 }
 # switch -> what runs while it is attached (given the model and the speedup), before the comparison (default: nothing)
 EXERCISE: dict[str, Callable[[torch.nn.Module, Any], None]] = {
-    "selective_checkpointing": lambda model, speedup: _train_steps(model),
-    "dequant_cache": lambda model, speedup: speedup.before_micro_batch(2),  # the trainer's call: copies kept
+    "decoder_layers": _train_runner,
+}
+# each mode of the runner on its own (``mode.attach(model)``): switch -> (model builder, mode builder, exercise)
+MODES: dict[str, tuple[Callable[[], Any], Callable[[], Any], Callable[[torch.nn.Module, Any], None]]] = {
+    "selective_checkpointing": (lambda: _gc(_lora(tiny_model("qwen3", VOCAB))),
+                                lambda: SelectiveCheckpointing(mode=True, max_tokens=32),
+                                lambda model, mode: _train_steps(model)),
+    "offload_checkpointing": (lambda: _gc(tiny_model("qwen3", VOCAB)), lambda: OffloadedCheckpointing(mode=True),
+                              lambda model, mode: _train_steps(model, 1)),
+    "cuda_graphs": (lambda: _lora(tiny_model("qwen3", VOCAB)), lambda: CudaGraphs(mode=True, backend=TapeBackend()),
+                    lambda model, mode: None),
+    "tiled_mlp": (lambda: _lora(tiny_model("llama", VOCAB)), lambda: TiledMLP(tile_tokens=8),
+                  lambda model, mode: None),
+    # its copies are kept at the first look, the first layer call of the second training forward
+    "dequant_cache": (_four_bit_lora, lambda: DequantCache(mode=True), lambda model, mode: _train_steps(model)),
 }
 
 
@@ -210,26 +254,41 @@ def test_every_speedup_in_the_table_is_held_to_the_contract():
     assert {spec.name for spec in SPEEDUPS} == set(CASES)
     for spec in SPEEDUPS:  # the name a speedup reports (nbkit_attached) is its row's
         assert CASES[spec.name][1]().name == spec.name
+    assert {name for name, _, _ in LAYER_MODES} == set(MODES)  # and every mode of the runner on its own
+    for name, role, _ in LAYER_MODES:
+        mode = MODES[name][1]()
+        assert mode.name == name and getattr(_all_modes(), role).name == name
+
+
+def _held_to_the_contract(name: str, model: Any, speedup: Any, probe: Any, exercise: Callable,
+                          ledger: Callable[[Any], Any]) -> None:
+    assert probe.attach(model) is True  # a first attach/detach imports what the speedup needs: imports are not changes
+    probe.detach()
+    before = snapshot(model)
+    assert speedup.attach(model) is True, f"{name} did not attach to its model: the contract test proves nothing"
+    exercise(model, speedup)
+    during = snapshot(model)
+    assert differences(before, during), f"{name} attached but changed nothing this test can see"
+    assert len(ledger(speedup)) > 0, f"{name} made its changes outside its ledger"
+    speedup.detach()
+    assert differences(before, snapshot(model)) == []
+    speedup.detach()  # twice is safe
+    assert differences(before, snapshot(model)) == []
 
 
 @pytest.mark.parametrize("switch", sorted(CASES))
 def test_attach_then_detach_leaves_model_modules_and_functions_as_found(switch, one_thread):
     build_model, build_speedup = CASES[switch]
-    model = build_model()
-    speedup = build_speedup()
-    probe = build_speedup()  # a first attach/detach imports what the speedup needs: imports are not changes
-    assert probe.attach(model) is True
-    probe.detach()
-    before = snapshot(model)
-    assert speedup.attach(model) is True, f"{switch} did not attach to its model: the contract test proves nothing"
-    EXERCISE.get(switch, lambda m, s: None)(model, speedup)
-    during = snapshot(model)
-    assert differences(before, during), f"{switch} attached but changed nothing this test can see"
-    assert len(speedup._ledger) > 0, f"{switch} made its changes outside its ledger"
-    speedup.detach()
-    assert differences(before, snapshot(model)) == []
-    speedup.detach()  # twice is safe
-    assert differences(before, snapshot(model)) == []
+    _held_to_the_contract(switch, build_model(), build_speedup(), build_speedup(),
+                          EXERCISE.get(switch, lambda m, s: None), lambda speedup: speedup._ledger)
+
+
+@pytest.mark.parametrize("switch", sorted(MODES))
+def test_each_layer_mode_on_its_own_leaves_the_model_as_found(switch, one_thread):
+    """``mode.attach(model)``: a standalone runner with the mode alone; its ledger is that runner's."""
+    build_model, build_mode, exercise = MODES[switch]
+    _held_to_the_contract(switch, build_model(), build_mode(), build_mode(), exercise,
+                          lambda mode: mode._runner._ledger)
 
 
 def test_a_change_made_outside_the_ledger_is_caught(one_thread):

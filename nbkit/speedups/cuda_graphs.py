@@ -1,8 +1,14 @@
-"""CUDA graphs for the decoder layers that are not checkpointed: each layer's forward and backward is one replay.
+"""CUDA graphs for the decoder layers the layer plan keeps: each layer's forward and backward is one replay.
 
 Why: on short rows a QLoRA step is bound by the host. Every decoder layer's forward and backward launch a few hundred
 kernels from Python (PEFT's and nbkit's LoRA functions, bitsandbytes' dequantization, Liger's kernels, autograd's
 engine), and the GPU finishes each before the next is launched. A captured graph launches them all from one call.
+
+Where it runs: an engine of the layer runner (``layer_runner``), which owns every decoder layer's ``forward``. The
+runner calls ``call`` for a training call (the layer in training mode, grad enabled) of a layer whose plan says
+``graphed`` (``runner.plans[i].graphed``: its activations kept whole, where this mode takes part); every other call
+runs the layer's own forward (eval and no-grad calls) or the runner's checkpointing (a checkpointed layer: its
+recompute is not graphed). ``prepare`` says whether the model can be graphed at all.
 
 How:
 
@@ -13,31 +19,30 @@ How:
   gradients. Only the GEMMs' shapes change: results agree with the eager layer to rounding. A set of graphs is keyed
   by a ``Variant`` (bucket, autocast state, constant and per-token arguments), decided at a forward's first layer.
 - Capture, per bucket at its first call, through ``nbkit.ops.layer_graphs`` (the engine and its contract): every
-  eligible layer's forward graph in layer order, then every backward graph in reverse, before any replay has written
+  graphed layer's forward graph in layer order, then every backward graph in reverse, before any replay has written
   the static inputs that autograd saved. That is the order they replay in, which is what lets the graphs of one
-  capture share one memory pool. A layer that becomes eligible later (the one whose call decided
-  ``selective_checkpointing``) is captured at its next call, in a pool of its own. Each layer's graph gets its own
+  capture share one memory pool. A layer the plan graphs later (kept by the plan's first or second look, after step
+  1 ran it checkpointed) is captured at its next call, in a pool of its own. Each layer's graph gets its own
   ``PackedRun`` over the bucket's static buffers, made inside its capture, so a mask an attention kernel builds on
-  first use is built by that graph at every replay.
+  first use is built by that graph at every replay. ``capture_s`` counts the seconds spent capturing.
 
-Eager instead, per call, said once per reason and counted in ``eager`` (each reason an ``Eager``: its text, and
-whether it holds for this call, until the layer is un-checkpointed, or for the variant): not training, no grad, the
-layer checkpointed (its recompute is not graphed), more tokens than ``max_tokens``, more documents than a bucket
-holds, an argument the graph cannot take (a padding mask, a KV cache, an unknown tensor), no varlen kernel
-(``cached_packing`` with the ``varlen`` or ``flash_attn`` kernel), hooks on a module inside the layer (a graph would
-run them once, at capture), not enough free memory for another layer's graphs (what the allocator has not reserved
-of the process's limit, ``nbkit.memory.gpu_limit``, must stay above ``RESERVE`` of that limit and above the step's
-peak so far less what it holds now: reserved, because the pools keep their memory between replays), a trainable
-parameter the graph does not reach (held by reference outside its module).
+Eager instead, per call the runner hands it, said once per reason and counted in ``eager`` (each reason an
+``Eager``: its text, and whether it holds for this call, until the plan graphs the layer, or for the variant): more
+tokens than ``max_tokens``, more documents than a bucket holds, an argument the graph cannot take (a padding mask, a
+KV cache, an unknown tensor), no varlen kernel (``cached_packing`` with the ``varlen`` or ``flash_attn`` kernel),
+hooks on a module inside the layer (a graph would run them once, at capture), not enough free memory for another
+layer's graphs (the run's budget decides, ``layer_budget.Budget.graphs_room``: what the allocator has not reserved of
+the process's limit, less the graphs asked for, must stay above the budget's margin of that limit and above the
+step's peak so far less what it holds now; reserved, because the pools keep their memory between replays), a
+trainable parameter the graph does not reach (held by reference outside its module).
 
 Near the memory limit: a pool holds its graphs' activations for good, so a second copy of them is what would run
 the GPU out of memory. A row whose bucket has no graphs yet, when that bucket's capture does not fit, replays the
 smallest captured bucket that holds it (padded, as every shorter row is; ``reused`` counts those forwards). An eager
 call of a layer that has graphs keeps its activations when they fit beside the pools (the same test as a capture's,
 for every graphed layer at the call's tokens, decided once per forward); else it is checkpointed (its input kept,
-its forward recomputed in backward; ``recomputed`` counts them). Not attached: not
-CUDA, a MoE model (the experts' shapes depend on the routing), dropout in a decoder layer (random numbers would
-repeat).
+its forward recomputed in backward; ``recomputed`` counts them). Not taking part: not CUDA, a MoE model (the
+experts' shapes depend on the routing), dropout in a decoder layer (random numbers would repeat).
 
 Modes: "auto" graphs a bucket only while a layer's parameters x the bucket's tokens stay below ``AUTO_MAX_WORK``:
 larger layers keep the GPU busy on their own, and then the padding and the static copies cost more than the
@@ -46,9 +51,10 @@ launches saved (where the crossing was measured: BENCHMARKS.md, cuda_graphs). Tr
 
 Contract: the same losses and gradients as the eager layers up to rounding; a layer's forward must be followed by its
 backward before it runs forward again in the same bucket (``RuntimeError`` otherwise, as in a custom loop that runs
-two forwards before their backwards); ``detach()`` puts every ``forward`` back and drops the graphs.
-``backend=TapeBackend()`` (CPU tests) runs the same code with tapes of ATen ops in place of CUDA graphs: Python is
-frozen at capture as on a GPU, so a stale input or an unreached parameter shows on a CPU too.
+two forwards before their backwards); the runner's ``detach()`` drops the graphs (``CudaGraphs.attach`` /
+``detach`` run it in a runner of its own). ``backend=TapeBackend()`` (CPU tests) runs the same code with tapes of
+ATen ops in place of CUDA graphs: Python is frozen at capture as on a GPU, so a stale input or an unreached parameter
+shows on a CPU too.
 """
 
 from __future__ import annotations
@@ -192,6 +198,7 @@ class CudaGraphs:
 
     def _count(self) -> None:
         self.captured = 0
+        self._captures = 0  # capture calls (bounded by MAX_CAPTURES)
         self.capture_s = 0.0
         self.replays = 0
         self.recomputed = 0
@@ -202,7 +209,6 @@ class CudaGraphs:
         self._layers: list[Any] = []  # the runner's Layer records
         self._graphs: dict[tuple[int, Variant], Union[GraphedLayer, Eager]] = {}  # its graphs, or why it has none
         self._shared: dict[int, BucketMetadata] = {}  # by bucket
-        self._captures = 0
         self._plan_run: Optional[PackedRun] = None
         self._plan_of_run: Union[Eager, Variant, None] = None
         self._eager_run: Optional[PackedRun] = None  # the forward whose eager graphed calls were decided

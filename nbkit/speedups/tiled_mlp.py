@@ -12,9 +12,10 @@ than one tile; short rows pay one comparison. MoE blocks and other MLPs are neve
 
 ``auto`` (the default): a call is tiled only when its untiled MLP would crowd the GPU, judged per call by the run's
 budget (``layer_budget.Budget.crowded``: the MLP's working set, ~6 (tokens x intermediate) tensors, beside what is in
-use and what backward adds, past the budget's margin). The decision is made once per input shape and kept: a
-checkpointed layer's recompute must save what its forward saved (non-reentrant checkpointing checks), whatever the
-memory then. Off a CUDA GPU 'auto' takes no part.
+use and what backward adds, past the budget's margin). The decision is made once per layer and input shape and kept:
+a checkpointed layer's recompute must save what its forward saved (non-reentrant checkpointing checks), whatever the
+memory then; and memory in use grows through a forward, so a later layer may need tiles where an earlier does not.
+Off a CUDA GPU 'auto' takes no part.
 
 Contract: the same math as the plain MLP (it is the same forward, called on slices of the tokens); gradients of the
 MLP's trainable parameters (LoRA adapters, or the full weights) summed over tiles in fp32. Parity with the plain
@@ -60,7 +61,7 @@ class TiledMLP:
         self.count = 0
         self._tile = 0
         self._intermediate: Optional[int] = None
-        self._decided: dict[tuple, bool] = {}  # auto: one decision per input shape
+        self._decided: dict[int, dict[tuple, bool]] = {}  # auto: per layer, one decision per input shape
         self._runner: Any = None
 
     # ---------------------------------------------------------------------------------------------- the runner's
@@ -93,15 +94,17 @@ class TiledMLP:
             return False
         if self._intermediate is None:
             return True
+        # per layer: memory in use grows through a forward, so a later layer may be crowded where an earlier is not
+        decided = self._decided.setdefault(layer.index, {})
         key = (tuple(x.shape), x.dtype, x.device)
-        if key not in self._decided:
-            if len(self._decided) > 256:
-                self._decided.clear()
+        if key not in decided:
+            if len(decided) > 256:
+                decided.clear()
             tokens = x.numel() // x.shape[-1]
             need = WORKING_SET * tokens * self._intermediate * x.element_size()
             # beside what is in use, what backward adds around the MLP (the hidden states' gradients, ~4 of x)
-            self._decided[key] = runner.budget.crowded(need, extra=4 * x.numel() * x.element_size())
-        return self._decided[key]
+            decided[key] = runner.budget.crowded(need, extra=4 * x.numel() * x.element_size())
+        return decided[key]
 
     def bind(self, layer: Any, forward: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
         """``forward`` of ``layer``'s MLP, over tiles."""

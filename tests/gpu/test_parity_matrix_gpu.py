@@ -204,6 +204,7 @@ def train(case: Case, switches: dict[str, Any], workdir: Path, device: str = "cu
 
     from nbkit import FastSFT, FastSFTConfig
     from nbkit.speedups import fused_kernels
+    from nbkit.speedups.layer_runner import LayerRunner
 
     settings: dict[str, Any] = dict(
         output_dir=str(workdir / f"{case.id}-{time.monotonic_ns()}"), max_steps=steps,
@@ -229,17 +230,17 @@ def train(case: Case, switches: dict[str, Any], workdir: Path, device: str = "cu
         trainer.remove_callback(PrinterCallback)  # the per-step log lines: the report below says what matters
         start = _trainable(trainer.model)
         run = Run(losses=[], weights={}, start=start, attached=[], steps=steps)
-        detach = trainer._train_stage.detach
+        detach = LayerRunner.detach
 
-        def read_then_detach():  # the train-stage speedups' counters, read before the trainer lets go of them
-            for s in trainer._train_stage.attached:
-                if s.name == "cuda_graphs":
-                    run.graphs = dict(captured=s.captured, replays=s.replays, eager=dict(s.eager))
-                elif s.name == "selective_checkpointing":
-                    run.selective_kept = s.kept
-            detach()
+        def read_then_detach(runner: LayerRunner) -> None:  # the layer modes' counters, before the runner lets go
+            if runner.layers:
+                if runner.graphs is not None:
+                    run.graphs = runner.graphs.counters()
+                if runner.keep is not None:
+                    run.selective_kept = runner.keep.kept
+            detach(runner)
 
-        trainer._train_stage.detach = read_then_detach
+        patch.setattr(LayerRunner, "detach", read_then_detach)
         began = time.perf_counter()
         trainer.train()
         run.seconds = time.perf_counter() - began

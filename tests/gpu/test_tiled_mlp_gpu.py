@@ -45,8 +45,9 @@ def test_tiled_mlp_matches_the_plain_mlp_in_bf16(tmp_path, family):
 
 
 def test_auto_tiles_when_the_gpu_is_short_of_memory(tmp_path, monkeypatch):
-    """'auto' on a GPU whose limit is faked to 1 MiB (below what the run holds, the memory in use read for real): the
-    MLP calls are tiled, and the run trains as the plain MLP does (the tolerances above)."""
+    """'auto' on a GPU whose limit, as the run's budget reads it (``Budget.crowded``), is faked to 1 MiB (below what
+    the run holds, the memory in use read for real): the MLP calls are tiled, and the run trains as the plain MLP
+    does (the tolerances above)."""
     from peft import LoraConfig
 
     from nbkit import FastSFT, FastSFTConfig
@@ -54,7 +55,7 @@ def test_auto_tiles_when_the_gpu_is_short_of_memory(tmp_path, monkeypatch):
     from nbkit.demo.models import tiny_model
     from nbkit.demo.tokenizer import load_demo_tokenizer
     from nbkit.ops import tiled_mlp as tiled_op
-    from nbkit.speedups import tiled_mlp as tiled_speedup
+    from nbkit.speedups import layer_budget
 
     tok = load_demo_tokenizer()
     calls = []
@@ -76,7 +77,7 @@ def test_auto_tiles_when_the_gpu_is_short_of_memory(tmp_path, monkeypatch):
 
     plain_losses, plain_w = run(False)
     assert not calls
-    monkeypatch.setattr(tiled_speedup, "gpu_limit", lambda device: 1 << 20)
+    monkeypatch.setattr(layer_budget, "gpu_limit", lambda device: 1 << 20)  # the budget's limit ('auto''s rule)
     auto_losses, auto_w = run("auto")
     assert calls, "auto did not tile on a GPU short of memory"
     assert auto_losses == pytest.approx(plain_losses, rel=2e-2)
