@@ -212,11 +212,10 @@ def reset_peak_rss() -> bool:
 
 
 def _offload_stats(trainer: Any) -> Any:
-    """The stats of FastSFT's attached offload speedup (its pinned host pool), if it has one."""
-    attached = list(getattr(trainer, "_speedups", []) or [])
-    attached += list(getattr(getattr(trainer, "_train_stage", None), "attached", []) or [])
-    for s in attached:
-        stats = getattr(s, "stats", None)
+    """The stats of the offload engine of FastSFT's layer runner (its pinned host pool), if it has one."""
+    for s in list(getattr(trainer, "_speedups", []) or []):
+        offload = getattr(s, "offload", None)
+        stats = getattr(offload, "stats", None)
         if stats is not None and hasattr(stats, "host_bytes"):
             return stats
     return None
