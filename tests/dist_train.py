@@ -102,9 +102,12 @@ class Recorder:
 
 
 def speedup_report(speedups: list) -> list[dict[str, Any]]:
-    """Name, kernel and counters of each attached speedup (what ran on this rank)."""
+    """Name, kernel and counters of each attached speedup (what ran on this rank). The decoder layers' runner
+    stands for its modes (the offload among them), each reported by its own switch name."""
+    from nbkit.speedups import LAYERS
+
     report = []
-    for s in speedups:
+    for s in (mode for one in speedups for mode in (one.modes if one.name == LAYERS else [one])):
         info: dict[str, Any] = {"name": s.name, "kernel": getattr(s, "kernel", None)}
         for attr in ("forwards", "metadata_builds", "plain_forwards"):
             if hasattr(s, attr):
@@ -182,9 +185,7 @@ def train_once(opts: argparse.Namespace, run: str, **config_overrides: Any) -> N
 
         def on_train_end(self, args, state, control, **kwargs):
             # still inside train(): the speedups are attached and their counters say what ran on this rank
-            train_stage = getattr(trainer, "_train_stage", None)  # FastSFT's train-stage speedups (offload)
-            seen["speedups"] = speedup_report(getattr(trainer, "_speedups", []) +
-                                              (train_stage.attached if train_stage is not None else []))
+            seen["speedups"] = speedup_report(getattr(trainer, "_speedups", []))
             recorder.detach()
 
     if not from_dashboard:

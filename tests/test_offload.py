@@ -2,6 +2,10 @@
 
 Parity is bitwise: the offloaded input is restored byte for byte, so the recompute sees identical data and runs
 the same kernels in the same order as plain checkpointing (fp32, CPU).
+
+The engine runs inside the layer runner (``layer_runner``): ``attach`` builds a runner with it alone, which takes
+over the checkpointed layers (their flag off, the user's checkpoint function called by the runner, left in place).
+What the runner holds is read from ``oc._runner``: its ``Layer`` records and its plans.
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ from parity import Run, add_lora, assert_same_run, gradients, run_steps, tiny_lm
 from torch.utils.checkpoint import checkpoint
 
 from nbkit.ops.offload_lanes import _HostPool, _Lane, slot_bytes
+from nbkit.speedups.layer_plan import KEPT, OFFLOADED
+from nbkit.speedups.layer_runner import LayerRunner
 from nbkit.speedups.offload import OffloadedCheckpointing
+from nbkit.trl_seam import GradientCheckpointingLayer
 
 torch.set_num_threads(2)
 
@@ -54,6 +61,14 @@ def assert_same(ref, got):
 
 def layer_funcs(model):
     return [layer._gradient_checkpointing_func for layer in model.model.layers]
+
+
+def layer_state(model):
+    """What the runner may change on each layer, and must put back: its checkpoint function and flag, and whether
+    its forward (and its MLP's) is an instance attribute (the runner's)."""
+    return [(layer._gradient_checkpointing_func if hasattr(layer, "_gradient_checkpointing_func") else None,
+             layer.gradient_checkpointing, "forward" in vars(layer), "forward" in vars(layer.mlp))
+            for layer in model.model.layers]
 
 
 @pytest.fixture
@@ -147,8 +162,8 @@ def test_prefetch_trace_is_a_real_observation(gc_model):
     """Negative control: a prefetch issued at unpack (the old timing) breaks the ordering the test above checks."""
     oc = OffloadedCheckpointing(mode=True, trace=1000)
     oc.attach(gc_model)
-    for inst in oc._installed:
-        inst.ffn = None  # no MLP hook: the fallback timing
+    for layer in oc._runner.layers:
+        layer.mlp = None  # the engine sees no MLP: no hook, the fallback timing
     _mark_backward(gc_model, oc.trace)
     step(gc_model)
     ev = list(oc.trace)
@@ -175,15 +190,16 @@ def test_every_n_layers():
     model = tiny_qwen3()
     _checkpoint_every_other_layer(model)
     ref = step(model)
-    before = layer_funcs(model)
+    before = layer_state(model)
     oc = OffloadedCheckpointing(mode=True, trace=100)
     assert oc.attach(model)
-    checkpointed = [layer.gradient_checkpointing for layer in model.model.layers]
-    assert checkpointed == [True, False, True, False]
-    installed = [type(f).__name__ == "_InstalledCheckpoint" for f in layer_funcs(model)]
-    assert installed == checkpointed  # exactly the checkpointed layers
+    runner = oc._runner
+    checkpointed = [layer.checkpointed for layer in runner.layers]
+    assert checkpointed == [True, False, True, False]  # taken over as the user asked
+    assert layer_funcs(model) == [f for f, *_ in before]  # the user's checkpoint functions, called by the runner
     _mark_backward(model, oc.trace)
     assert_same(ref, step(model))
+    assert [p.activations == OFFLOADED for p in runner.plans] == checkpointed  # exactly the checkpointed layers
     assert oc.stats.packs == 2 and oc.stats.prefetch_hits == oc.stats.prefetch_after_ffn == 1
     ev = list(oc.trace)
     fetch = ev.index(("prefetch", "model.layers.0", "after_ffn"))
@@ -191,7 +207,7 @@ def test_every_n_layers():
     assert fetch < ev.index(("attn.q_proj", "model.layers.2", ""))
     assert fetch < ev.index(("mlp.down_proj", "model.layers.1", ""))  # the plain layer 1 also hides the copy
     oc.detach()
-    assert layer_funcs(model) == before
+    assert layer_state(model) == before
 
 
 def test_peft_lora_parity():
@@ -225,14 +241,15 @@ def test_moe_layers_prefetch_after_the_sparse_block():
 
 
 def test_detach_restores_and_frees(gc_model):
-    before = layer_funcs(gc_model)
+    before = layer_state(gc_model)
     ref = step(gc_model)
     oc = OffloadedCheckpointing(mode=True)
     oc.attach(gc_model)
+    assert [state[1:] for state in layer_state(gc_model)] == [(False, True, True)] * LAYERS  # the runner's now
     step(gc_model)
     assert oc.stats.host_bytes > 0
     oc.detach()
-    assert all(a is b for a, b in zip(layer_funcs(gc_model), before))
+    assert layer_state(gc_model) == before  # flags, functions and forwards as they were
     assert oc.stats.host_bytes == 0 and not oc._lanes and not oc.active
     packs = oc.stats.packs
     assert_same(ref, step(gc_model))
@@ -267,37 +284,79 @@ def test_not_enabled_is_refused_with_one_line(caplog):
 def test_reentrant_is_refused():
     model = tiny_qwen3()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    before = layer_funcs(model)
-    assert OffloadedCheckpointing(mode=True).attach(model) is False
-    assert layer_funcs(model) == before
+    before = layer_state(model)
+    oc = OffloadedCheckpointing(mode=True)
+    assert oc.attach(model) is False
+    assert layer_state(model) == before  # a refused attach leaves nothing behind: no runner on the layers
+    assert oc._runner is None
 
 
-def test_user_kwargs_are_kept(gc_model):
+def test_no_decoder_layers_is_refused():
+    """A model without transformers' decoder layers: nothing to offload, and attach says so."""
+    oc = OffloadedCheckpointing(mode=True)
+    assert oc.attach(torch.nn.Sequential(torch.nn.Linear(4, 4))) is False and not oc.active
+
+
+def test_user_kwargs_are_kept(gc_model, monkeypatch):
+    import nbkit.speedups.offload as offload_module
+
     gc_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"preserve_rng_state": False})
     oc = OffloadedCheckpointing(mode=True)
     oc.attach(gc_model)
-    inst = gc_model.model.layers[0]._gradient_checkpointing_func
-    assert inst.ckpt_kwargs == {"preserve_rng_state": False, "use_reentrant": False}
+    layer = oc._runner.layers[0]
+    assert oc._ckpt_kwargs[id(layer)] == {"preserve_rng_state": False, "use_reentrant": False}
+    calls = []
+
+    def spy(function, *args, **kwargs):
+        calls.append(kwargs)
+        return checkpoint(function, *args, **kwargs)
+
+    monkeypatch.setattr(offload_module, "torch_checkpoint", spy)
+    step(gc_model)
+    # what reaches torch's checkpoint: the user's kwargs alone (the layer's own are bound to its forward)
+    assert calls == [{"preserve_rng_state": False, "use_reentrant": False}] * LAYERS and oc.stats.packs == LAYERS
     oc.detach()
 
 
-def test_config_switch_builds_offload_from_the_speedup_table(tmp_path, gc_model, caplog):
+def built_runner(args) -> Optional[LayerRunner]:
+    """The layer runner the speedup table builds for ``args`` (None: no layer mode switched on)."""
     from nbkit import speedups
+
+    runners = [s for s in speedups.build("model", args, False) if s.name == speedups.LAYERS]
+    return runners[0] if runners else None
+
+
+def built_offload(args) -> Optional[OffloadedCheckpointing]:
+    runner = built_runner(args)
+    return runner.offload if runner is not None else None
+
+
+def test_config_switch_builds_offload_from_the_speedup_table(tmp_path, gc_model, caplog):
     from nbkit.config import FastSFTConfig
 
     cfg = functools.partial(FastSFTConfig, output_dir=str(tmp_path), bf16=False, use_cpu=True,
                             gradient_checkpointing=True)
-    assert speedups.build("train", cfg(offload_checkpointing=False), False) == []
-    assert speedups.build("train", cfg(offload_checkpointing=True, gradient_checkpointing=False), False) == []
-    (on,) = speedups.build("train", cfg(offload_checkpointing=True, offload_double_buffer=False), False)
-    assert on.attach(gc_model) and on.double_buffer is False
+    assert built_offload(cfg(offload_checkpointing=False)) is None
+    assert built_offload(cfg(offload_checkpointing=True, gradient_checkpointing=False)) is None
+    runner = built_runner(cfg(offload_checkpointing=True, offload_double_buffer=False))
+    on = runner.offload
+    assert isinstance(on, OffloadedCheckpointing) and on.double_buffer is False
     assert on.min_bytes == FastSFTConfig.offload_min_bytes  # the config's default, not a second one
     assert OffloadedCheckpointing().min_bytes == FastSFTConfig.offload_min_bytes
-    on.detach()
-    (auto,) = speedups.build("train", cfg(), False)
+    assert runner.attach(gc_model) and runner.begin_training(gc_model)  # as FastSFT drives it
+    assert runner.offload is on and on.active
+    step(gc_model)
+    assert on.stats.packs == LAYERS and "offload_checkpointing" in runner.engaged_modes()
+    runner.detach()
+    runner = built_runner(cfg())
+    auto = runner.offload
+    assert auto is not None and auto.mode == "auto"
     with caplog.at_level(logging.INFO, logger="nbkit.speedups.offload"):
-        assert auto.attach(gc_model) is False  # 'auto' never offloads from a CPU model
+        runner.attach(gc_model)
+        runner.begin_training(gc_model)
+    assert runner.offload is None  # 'auto' never offloads from a CPU model: the runner dropped it
     assert any("auto" in r.getMessage() and "cpu" in r.getMessage() for r in caplog.records)
+    runner.detach()
 
 
 def test_auto_stays_off_for_host_tensors(gc_model, monkeypatch, caplog):
@@ -376,18 +435,19 @@ def test_host_budget_keeps_the_rest_on_the_gpu(gc_model, caplog):
 
 def test_the_host_budget_switch_reaches_the_speedup(tmp_path):
     from nbkit import FastSFTConfig
-    from nbkit.speedups import build
 
     args = FastSFTConfig(output_dir=str(tmp_path), bf16=False, gradient_checkpointing=True,
                          offload_max_host_bytes=8 << 30)
-    (offload,) = [s for s in build("train", args, packed_batches=True) if isinstance(s, OffloadedCheckpointing)]
-    assert offload.max_host_bytes == 8 << 30
+    offload = built_offload(args)
+    assert isinstance(offload, OffloadedCheckpointing) and offload.max_host_bytes == 8 << 30
 
 
 # ----------------------------------------------------------------------------- a hand-made stack (no transformers)
 
 
-class Block(torch.nn.Module):
+class Block(GradientCheckpointingLayer):
+    """A decoder layer as transformers' base class makes one (the runner finds layers by it), checkpointed."""
+
     def __init__(self) -> None:
         super().__init__()
         self.lin = torch.nn.Linear(32, 32)
@@ -401,7 +461,7 @@ class Block(torch.nn.Module):
 def run_stack(blocks, x, shared):
     h = x
     for b in blocks:
-        h = b._gradient_checkpointing_func(b.__call__, h, shared)
+        h = b(h, shared)
     return h
 
 
@@ -413,7 +473,7 @@ def test_shared_positional_tensor_offloaded_once():
     shared = torch.rand(8, 32)
     x = torch.randn(8, 32, requires_grad=True)
     # the same live tensor passed first to every call: copied once, then left in place
-    outs = [b._gradient_checkpointing_func(b.__call__, shared, shared) for b in blocks]  # graphs kept alive
+    outs = [b(shared, shared) for b in blocks]  # graphs kept alive
     assert oc.stats.packs == 1 and oc.stats.kept == 2
     del outs
     # the usual case: hidden states first, the shared tensor second is never copied
@@ -513,10 +573,10 @@ def test_aborted_backward_then_reset():
         raise Abort
 
     x = torch.randn(8, 32, requires_grad=True)
-    h = blocks[0]._gradient_checkpointing_func(blocks[0].__call__, x, torch.ones(8, 32))
-    h = blocks[1]._gradient_checkpointing_func(blocks[1].__call__, h, torch.ones(8, 32))
+    h = blocks[0](x, torch.ones(8, 32))
+    h = blocks[1](h, torch.ones(8, 32))
     h.register_hook(stop)  # fires after block 2's backward, which prefetched block 1's input
-    out = blocks[2]._gradient_checkpointing_func(blocks[2].__call__, h, torch.ones(8, 32))
+    out = blocks[2](h, torch.ones(8, 32))
     with pytest.raises(Abort):
         out.sum().backward()
     assert lane_staged == [True]
@@ -607,10 +667,14 @@ def test_idle_slots_of_mixed_sizes_are_taken_by_identity():
     pool.close()
 
 
-def test_fewer_checkpointed_layers_and_longer_rows_keep_parity(gc_model):
-    """What selective_checkpointing does under offload on a smaller GPU: step 1 packs every layer, then the last two
-    layers are un-checkpointed and rows vary in length, so idle slots of two sizes sit in the pool. Bitwise the plain
-    checkpointed run's losses and gradients, each step's packs served from the pool once it holds a slot that fits."""
+def test_fewer_checkpointed_layers_and_longer_rows_keep_parity(gc_model, monkeypatch):
+    """What the keep mode does beside the offload on a smaller GPU: step 1 packs every layer, then the plan's first
+    look keeps the last two layers' activations (their inputs no longer offloaded) and rows vary in length, so idle
+    slots of two sizes sit in the pool. Bitwise the plain run's losses and gradients with those two layers
+    un-checkpointed from step 2 on, each step's packs served from the pool once it holds a slot that fits."""
+    from nbkit.speedups.layer_budget import Budget, Look
+    from nbkit.speedups.selective_checkpointing import SelectiveCheckpointing
+
     lengths = (64, 96, 80, 64, 96)
     batches = [dict(input_ids=ids, labels=ids) for ids in
                (torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths)]
@@ -626,11 +690,16 @@ def test_fewer_checkpointed_layers_and_longer_rows_keep_parity(gc_model):
     plain.gradient_checkpointing_enable()
     ref = run_steps(plain, batches, forward=functools.partial(last_two_unchecked_after_step_1, steps=[]))
     oc = OffloadedCheckpointing(mode=True)
-    assert oc.attach(gc_model)
-    got = run_steps(gc_model, batches, forward=functools.partial(last_two_unchecked_after_step_1, steps=[]))
+    runner = LayerRunner(keep=SelectiveCheckpointing(mode=True, max_tokens=max(lengths)), offload=oc)
+    # the first look has room for the last two layers kept whole, and nothing more
+    monkeypatch.setattr(Budget, "first_look", lambda budget: Look(runner.costs[3].kept + runner.costs[2].kept, "test"))
+    assert runner.attach(gc_model) and runner.begin_training(gc_model)
+    got = run_steps(gc_model, batches)
+    assert [p.activations for p in runner.plans] == [OFFLOADED, OFFLOADED, KEPT, KEPT]
     assert_same_run(got, ref)
     assert oc.stats.packs == LAYERS + 2 * (len(lengths) - 1)
     assert sorted(s.numel() for s in oc._lanes[torch.device("cpu")].pool.free) == \
         sorted([slot_bytes(64 * 64 * 4)] * 2 + [slot_bytes(96 * 64 * 4)] * 2)
-    assert oc.stats.host_allocs == LAYERS + 2  # grown once, for the two layers still checkpointed
-    oc.detach()
+    assert oc.stats.host_allocs == LAYERS + 2  # grown once, for the two layers still offloaded
+    runner.detach()
+    assert not oc._lanes and all(layer.gradient_checkpointing for layer in gc_model.model.layers)

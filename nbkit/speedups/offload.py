@@ -1,35 +1,49 @@
-"""Offloaded gradient checkpointing with a reusable pinned pool and a prefetch timed after each layer's MLP backward.
+"""Offloaded checkpointing: a checkpointed layer's input kept in host memory, restored ahead of its recompute.
 
 Why: with non-reentrant gradient checkpointing the only activation a checkpointed layer keeps is its input (the
 hidden states, ``tokens x hidden`` values). At long context those inputs, one per layer, are what fills the GPU.
-This speedup keeps them in CPU memory instead, and hides the copies behind compute:
+This engine keeps them in host memory instead, and hides the copies behind compute.
 
-- Forward: the installed checkpoint function wraps ``torch.utils.checkpoint.checkpoint`` (non-reentrant, with the
-  user's ``gradient_checkpointing_kwargs``) in ``saved_tensors_hooks``. Non-reentrant checkpoint saves exactly its
-  positional tensor inputs through those hooks (keyword arguments such as the shared cos/sin position embeddings are
-  bound in a ``functools.partial`` by transformers and never saved, so they are never copied). The first positional
-  tensor (transformers' convention: the hidden states) is copied into a slot of a host pool on a side CUDA stream,
-  after an event on the compute stream; the GPU tensor is dropped once the copy's event has completed. The pool is
-  allocated during the first step, reused afterwards, and grows only if a larger input comes.
+An engine of the layer runner (``layer_runner``), which holds the layers and calls it; it wraps nothing. When
+training begins the runner takes over the layers checkpointed as the user asked and hands them to ``take``, which
+keeps each one's checkpoint arguments (the user's ``gradient_checkpointing_kwargs``, read from the checkpoint
+function transformers set on the layer) and refuses what it cannot run: reentrant checkpointing, a checkpoint
+function it does not recognise. At the first training call ``engages`` decides for the run (True: always; 'auto':
+a CUDA GPU that does not share host memory, and one layer input of at least ``min_bytes``), and the runner's plan
+offloads every checkpointed layer; with the keep mode beside it, a later look of the plan may put some inputs back
+on the GPU where the budget allows (``layer_plan``). For each layer its plan offloads, the runner calls ``checkpoint``:
+
+- Forward: ``torch.utils.checkpoint.checkpoint`` (non-reentrant, the user's kwargs) inside ``saved_tensors_hooks``.
+  Non-reentrant checkpoint saves exactly its positional tensor inputs through those hooks; the layer's keyword
+  arguments (the mask, the cos/sin position embeddings every layer shares) are bound in a ``functools.partial``, as
+  transformers binds them, and are never saved, so never copied. The layer's input (the runner passes it first) is
+  copied into a slot of a host pool on a side CUDA stream, after an event on the compute stream; the GPU tensor is
+  dropped once the copy's event has completed. The pool is allocated during the first step, reused afterwards, and
+  grows only if a larger input comes.
 - Backward, double buffering: layer i's backward starts with its recompute, which restores its input; the input of
   layer i-1 (packed just before it) is copied back on the side stream *after layer i's MLP backward*, while the rest
   of layer i's backward (attention, q/k/v/o) runs. The trigger is a gradient hook on the MLP's input, set by a forward
-  pre-hook on the layer's ``mlp`` submodule that exists only while nbkit's checkpoint call runs. Why then: the MLP
-  backward is a layer's memory peak (the intermediate-size tensors); a second input restored before it would sit on
-  top of that peak, one input above ``save_on_cpu``. When the layer has no ``mlp`` submodule (or its input needs no
-  gradient) the prefetch is issued when the layer's own input is restored; when the hook never fires, the next
-  restore is a synchronous copy.
+  pre-hook on the layer's feed-forward submodule (the runner's ``Layer.mlp``) that exists only while the offloaded
+  call runs. Why then: the MLP backward is a layer's memory peak (the intermediate-size tensors); a second input
+  restored before it would sit on top of that peak, one input above ``save_on_cpu``. When the layer has no MLP (or
+  its input needs no gradient) the prefetch is issued when the layer's own input is restored; when the hook never
+  fires, the next restore is a synchronous copy.
 - Restore buffers come from torch's caching allocator, one per restore, and go back to it as soon as their layer is
   done: in the steady state they are cache hits (no cudaMalloc, no sync), and the second buffer exists only between
   a layer's MLP backward and the end of that layer. Events order the streams (the side stream waits for an event
   recorded where the prefetch is issued, the compute stream waits for the copy's event); timed events also measure,
   per prefetch, the copy time, the compute time it could hide behind, and how long compute waited for it.
+- A call it declines (no grad, inference mode, an input that is already offloaded and still alive) runs the user's
+  checkpoint, untouched. The bytes moved are ``ops.offload_lanes``'s.
 
 On CPU (``mode=True``) the same pack / unpack / prefetch code runs with host buffers and synchronous copies, which
 is what lets CPU tests prove loss and gradient parity with plain checkpointing and the order of events.
 
 Fallbacks, each said once, never a crash: no prefetch when VRAM is tight; pageable host memory when memory cannot
-be pinned (WSL caps it); the input stays on the GPU when host memory runs out.
+be pinned (WSL caps it); the input stays on the GPU when host memory (or ``max_host_bytes``) runs out.
+
+Outside FastSFT, ``attach(model)`` (gradient checkpointing enabled) runs this engine alone in a runner of its own
+(``layer_runner.standalone``); ``detach()`` puts the model back and frees the host pool and GPU buffers.
 """
 
 from __future__ import annotations
@@ -112,7 +126,8 @@ def _offloaded_checkpoint(owner: OffloadedCheckpointing, layer: Any, function: C
     ckpt_kwargs = owner._ckpt_kwargs.get(id(layer), {"use_reentrant": False})
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
-            return torch_checkpoint(function, x, *args, **{**ckpt_kwargs, **kwargs})
+            # the layer's kwargs bound as transformers binds them: never saved, and never read as checkpoint's own
+            return torch_checkpoint(functools.partial(function, **kwargs), x, *args, **ckpt_kwargs)
     finally:
         target[0] = None
         if handle is not None:
@@ -143,7 +158,8 @@ class OffloadedCheckpointing:
     offloads. ``take`` says whether it can (non-reentrant checkpointing with the user's kwargs kept; 'auto': a CUDA
     GPU that is not integrated), ``engages`` decides at the first training call ('auto': one layer input of at least
     ``min_bytes``, said once). Outside FastSFT, ``attach(model)`` (gradient checkpointing enabled) runs it alone on
-    every checkpointed decoder layer; ``detach()`` frees the host pool and GPU buffers.
+    every checkpointed decoder layer (False, the model left as it was, when refused); ``detach()`` puts the model back
+    and frees the host pool and GPU buffers.
 
     ``mode``: True (always, CPU included), False (never), "auto". Eval and no-grad / inference mode always take the
     plain path. ``trace``: keep the last ``trace`` events (``("unpack", layer, "hit"|"miss")``,
@@ -241,8 +257,13 @@ class OffloadedCheckpointing:
         from .layer_runner import standalone
 
         self.detach()
-        self._runner = standalone(self, "offload", model)
-        return self._runner.offload is self
+        runner = standalone(self, "offload", model)
+        if runner.offload is not self or not runner.layers:  # refused, or no decoder layer: the model as it was
+            runner.detach()
+            self._runner = None
+            return False
+        self._runner = runner
+        return True
 
     def detach(self) -> None:
         if self._runner is not None and self._runner.offload is self:

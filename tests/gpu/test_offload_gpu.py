@@ -4,6 +4,10 @@ Tolerances: with the math SDPA backend every kernel is deterministic, so offload
 the same loss and gradients as plain checkpointing (the restored input is the same bytes). With the default
 attention backends (QLoRA test) the reference is plain checkpointing run twice: the offloaded gradients must be as
 close to it as it is to itself, with a bf16 floor of 1e-2 relative (Frobenius) error.
+
+``attach`` runs the engine alone in a layer runner (``layer_runner.standalone``): it offloads every checkpointed layer
+from the first training call, and with no keep mode beside it the plan's first look (step 2, from CUDA's memory
+counters) brings no input back on the GPU. The runner is read from ``oc._runner``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import pytest
 import torch
 
 from nbkit.ops.offload_lanes import _HostPool
+from nbkit.speedups.layer_plan import CHECKPOINTED, OFFLOADED
 from nbkit.speedups.offload import OffloadedCheckpointing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -77,6 +82,7 @@ def test_bf16_parity_bitwise_math_backend():
                 else:
                     assert rel_diff(grads, ref[1]) <= max(2 * noise, 1e-2)
             assert oc.stats.packs == 8 and oc.stats.pinned is True
+            assert [p.activations for p in oc._runner.plans] == [OFFLOADED] * 4  # after the first look too
             assert oc.stats.host_allocs == 4  # the pool is reused on the second step
             # every restore but each step's first one is prefetched, triggered after the next layer's MLP backward
             assert oc.stats.prefetch_hits == oc.stats.prefetch_after_ffn == (6 if double else 0)
@@ -217,11 +223,13 @@ def test_auto_mode_threshold(caplog):
         assert big.attach(model)
         step(model, x)
         assert big.stats.packs == 0 and not big.active
+        assert [p.activations for p in big._runner.plans] == [CHECKPOINTED] * 2  # the user's checkpointing
         big.detach()
         small = OffloadedCheckpointing(mode="auto", min_bytes=n)
         small.attach(model)
         step(model, x)
         assert small.stats.packs == 2 and small.active
+        assert [p.activations for p in small._runner.plans] == [OFFLOADED] * 2
         small.detach()
     assert any("off:" in r.getMessage() for r in caplog.records)
 
