@@ -432,8 +432,11 @@ class LayerRunner:
 
 def standalone(mode: Any, role: str, model: torch.nn.Module, readings: Optional[Callable] = None) -> LayerRunner:
     """A runner with ``mode`` alone as ``role``, attached to ``model`` and its training begun (for a mode used on
-    its own, outside FastSFT: ``mode.attach(model)``). Its ``attach`` result is ``runner.layers`` being non-empty."""
+    its own, outside FastSFT: ``mode.attach(model)``). Where the mode does not apply, the runner is detached again
+    and no longer holds it (``getattr(runner, role) is mode`` is the mode's ``attach`` result)."""
     runner = LayerRunner(**{role: mode}, readings=readings)
-    if runner.attach(model):
-        runner.begin_training(model)
+    if runner.attach(model) and not runner.begin_training(model):
+        runner.detach()  # the mode stepped aside at training: nothing of the runner stays on the model
+    if not runner.layers:
+        runner._drop(mode)
     return runner
