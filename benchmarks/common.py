@@ -76,6 +76,9 @@ class StepTimes:
     host_ms: list[float] = field(default_factory=list)  # host time to issue a micro-step (GPU may still be busy)
     losses: list[float] = field(default_factory=list)
     first_step_s: float | None = None
+    # seconds from on_train_begin to each optimizer step's end (after its sync): the steps as the user waits for
+    # them, data loading and callbacks between steps included
+    step_end_s: list[float] = field(default_factory=list)
 
 
 class StepTimer(TrainerCallback):
@@ -106,8 +109,9 @@ class StepTimer(TrainerCallback):
         end = event()
         end.record()
         end.synchronize()
+        self.times.step_end_s.append(time.perf_counter() - self._t0)
         if self.times.first_step_s is None:
-            self.times.first_step_s = time.perf_counter() - self._t0
+            self.times.first_step_s = self.times.step_end_s[0]
         self.times.step_ms.append(self._begin.elapsed_time(end))
         if self._micro:
             t = self.times

@@ -10,6 +10,18 @@ document per row of 256 to ``--tokens`` - 256 tokens (cut as a user's ``max_leng
 ``max_length`` there), LoRA r=32 (alpha 32). The step timer syncs once per optimizer step (as a trainer logging
 every step does), not per micro-step, and its entries are whole optimizer steps.
 
+``--recipe unsloth`` runs Unsloth's notebook recipe (``benchmarks/unsloth_recipe.py``), the one most notebook users
+run, beside ``benchmarks/unsloth_e2e.py``'s Unsloth run of it: batch 2 x 4 accumulation steps, no packing, rows cut
+at ``--tokens`` (default 2,048) by the trainer's ``max_length``, ``adamw_8bit``, LoRA r=16 alpha 16, learning rate 2e-4
+with 5 warmup steps, seed 3407, ``--steps`` (default 60) optimizer steps in all, on documents of 100 to 3,000 tokens.
+Its row is timed as the user waits: the whole ``train()`` (synchronized before and after), every step's wall time in
+order (the first 4 on their own), the median after ``--warmup`` (default 4) steps with its spread, peak allocated
+memory, first and last loss, and FastSFT's layer-capture statistics where the trainer exposes them. The base model
+is loaded under the first row's cap (``N@G``), as on the card it stands for. One results file per run:
+``e2e_recipe-unsloth_<shape>_<compute>_<cap>_<paths>.json``; ``benchmarks/recipe_table.py`` sets the files of the
+three trainers side by side (``benchmarks/recipe_round.sh`` runs them all, each in its own process). With ``--tiny``
+(CPU) bitsandbytes' ``adamw_8bit`` runs on the CPU too.
+
 Paths (``--paths``, comma separated):
 - ``sft``: TRL ``SFTTrainer`` with transformers' default attention (sdpa), what a TRL user gets without flash-attn.
 - ``sft_liger``: the same with ``use_liger_kernel=True`` (TRL applies Liger's layer kernels; its own fused LM head).
@@ -35,6 +47,7 @@ Prediction for the 1.7B / 16K workload, FastSFT vs plain ``sft``: see BENCHMARKS
     python -m benchmarks.e2e --shape 1.7b --profile fastsft
     python -m benchmarks.e2e --shape 1.7b --tokens 2048 --steps 10 --host-profile fastsft
     python -m benchmarks.e2e --shape 1.7b --recipe notebook --tokens 2048 --steps 10
+    python -m benchmarks.e2e --shape 1.7b --recipe unsloth --fp16 --tokens 2048@15 --paths fastsft --model-dir /tmp/m
     python -m benchmarks.e2e --tiny          # CPU smoke run (bf16 LoRA, no quantization)
 """
 
@@ -54,6 +67,7 @@ import torch
 
 from nbkit.demo.tokenizer import load_demo_tokenizer
 
+from . import unsloth_recipe
 from .common import (
     StepTimer,
     failed_row,
@@ -75,7 +89,7 @@ from .profiling import (
     module_ranges,
     profile_tables,
 )
-from .workload_args import workload_parser
+from .workload_args import resolve_defaults, workload_parser
 
 SHAPES = {
     "1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
@@ -192,7 +206,8 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
 
     name, overrides = parse_path(spec)
     tiny = args.tiny
-    notebook = args.recipe == "notebook"
+    notebook = getattr(args, "recipe", "packed") == "notebook"  # benchmarks/dashboard.py's args have no recipe
+    recipe = getattr(args, "recipe", "packed") == "unsloth"
     fp16 = getattr(args, "fp16", False)
     common = dict(
         output_dir=f"/tmp/nbkit-e2e-{name}", max_steps=args.warmup + args.steps, per_device_train_batch_size=1,
@@ -203,6 +218,8 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
     if notebook:  # the data are cut to --tokens already: TRL refuses max_length with padding-free, unpacked rows
         common.update(per_device_train_batch_size=2, gradient_accumulation_steps=4, packing=False, padding_free=True,
                       max_length=None)
+    if recipe:  # Unsloth's notebook values; TRL cuts the rows at max_length
+        common.update(unsloth_recipe.SFT, max_steps=args.steps, max_length=args.tokens)
     if name == "sft_liger":
         common["use_liger_kernel"] = True
     timer = StepTimer()
@@ -214,8 +231,8 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
         config = SFTConfig(**{**common, **overrides})
     base.set_attn_implementation("sdpa")
     rank, alpha = (32, 32) if notebook else (16, 32)
-    peft_config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=LORA_TARGETS, lora_dropout=0.0,
-                             task_type="CAUSAL_LM")
+    lora = unsloth_recipe.LORA if recipe else dict(r=rank, lora_alpha=alpha, lora_dropout=0.0)
+    peft_config = LoraConfig(**lora, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
     prof = Profiled(start=args.warmup) if profile else None
     if gaps:
         prof = Profiled(start=args.warmup, count=args.steps, host=False)
@@ -226,7 +243,7 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    torch.manual_seed(0)
+    torch.manual_seed(unsloth_recipe.SEED if recipe else 0)
     t0 = time.perf_counter()
     trainer = cls(model=base, args=config, train_dataset=dataset, peft_config=peft_config, callbacks=callbacks,
                   processing_class=load_demo_tokenizer())  # only its pad/eos ids are used: the data are token ids
@@ -239,9 +256,22 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
                 param.data = param.data.float()
     ranges = module_ranges(trainer.model) if profile else contextlib.nullcontext()
     with ranges:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t_train = time.perf_counter()
         trainer.train()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        train_s = time.perf_counter() - t_train
     peak = peak_memory()
-    row = summarize(spec, timer.times, args.warmup, peak, {"speedups": getattr(trainer, "nbkit_attached", [])})
+    extra = {"speedups": getattr(trainer, "nbkit_attached", [])}
+    if recipe:
+        row = unsloth_recipe.recipe_row(
+            spec, timer.times, train_s, t_train - t0, peak, args.warmup,
+            {**extra, "optim": str(getattr(config.optim, "value", config.optim)), **unsloth_recipe.batching(trainer),
+             **unsloth_recipe.capture_stats(trainer)})
+    else:
+        row = summarize(spec, timer.times, args.warmup, peak, dict(extra, train_s=train_s))
     if timer.times.first_step_s is not None:  # from trainer construction: what a user waits for after loading
         row["first_step_s"] = timer._t0 - t0 + timer.times.first_step_s
     text = profile_tables(prof.prof, prof.count) if profile and prof.prof is not None else ""
@@ -268,6 +298,31 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
     return row, base, text
 
 
+def recipe_dataset(args: argparse.Namespace, shape: str, tokens: int) -> Any:
+    """A row length's data: ``--recipe``'s documents for ``tokens`` (the row length, or the cut)."""
+    if args.recipe == "unsloth":
+        return unsloth_recipe.documents(unsloth_recipe.n_documents(args.steps), SHAPES[shape]["vocab_size"], tokens)
+    if args.recipe == "notebook":  # one document per row, cut to the row length as a user's max_length would
+        mean_len = tokens // 2
+        n_docs = 8 * (args.warmup + args.steps + 2)
+        spread = mean_len - min(256, mean_len // 4)
+    else:
+        mean_len = 40 if args.tiny else 400
+        n_docs = 2 * (args.warmup + args.steps + 2) * tokens // mean_len
+        spread = mean_len // 4
+    return packed_token_dataset(n_docs, SHAPES[shape]["vocab_size"], mean_len=mean_len, spread=spread)
+
+
+def row_table(rows: list[dict], recipe: str, paths: list[str]) -> str:
+    """The markdown table of one row length's paths: ``recipe_table``'s for the Unsloth recipe, else
+    ``markdown_table`` with plain ``sft`` as the baseline."""
+    if recipe == "unsloth":
+        from .recipe_table import table
+
+        return table(rows)
+    return markdown_table(rows, baseline="sft" if "sft" in paths else None)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     """Every path at every ``--tokens`` on one loaded base model; writes and returns the rows."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -278,10 +333,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--gaps", default=None, help="run this path once more with the GPU alone profiled: its idle time")
     parser.add_argument("--gap-host", default=None,
                         help="run this path once more, host and Python stacks recorded: what the host ran in each GPU gap")
-    parser.add_argument("--recipe", default="packed", choices=["packed", "notebook"],
+    parser.add_argument("--recipe", default="packed", choices=["packed", "notebook", "unsloth"],
                         help="packed: one packed row of --tokens per step, batch 1, LoRA r16; notebook: the common "
                              "notebook recipe, batch 2 x 4 accumulation steps, padding-free without packing, "
-                             "documents of 256 to --tokens - 256 tokens, LoRA r32")
+                             "documents of 256 to --tokens - 256 tokens, LoRA r32; unsloth: Unsloth's notebook "
+                             "recipe (benchmarks/unsloth_recipe.py), timed as the user waits")
     parser.add_argument("--no-4bit", action="store_true", help="bf16 LoRA instead of QLoRA")
     parser.add_argument("--memory-log", action="store_true",
                         help="print the GPU memory before each row and after every optimizer step (allocated, reserved, "
@@ -295,7 +351,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="run every path in a Python process of its own, one after another, on the model saved "
                              "once: no path inherits another's allocator cache, kernels or warm-up, as in a fresh "
                              "notebook")
-    args = parser.parse_args(argv)
+    args = resolve_defaults(parser.parse_args(argv))
     if not (torch.cuda.is_available() or args.tiny):
         raise SystemExit("this benchmark needs a CUDA GPU (or --tiny for a CPU smoke run)")
     if args.memory_log:
@@ -311,6 +367,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         finally:
             if not args.model_dir:  # a 14B model's folder is 30 GB
                 shutil.rmtree(folder, ignore_errors=True)
+    if args.recipe == "unsloth":  # loaded under the first row's cap, as the card it stands for must (Unsloth's is)
+        cap_memory(caps_of(args.tokens)[0])
     base, load_s = load_base(folder, quantize, torch.float16 if args.fp16 else torch.bfloat16)
     weights = "nf4" if quantize else ("fp16" if args.fp16 else "bf16") if torch.cuda.is_available() else "fp32"
     saved = f"reused from {folder}" if reused else f"saved in {save_s:.1f} s"
@@ -319,7 +377,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.profile and args.profile not in paths:
         paths.append(args.profile)
     rows: list[dict] = []
-    for spec_row in args.tokens.split(","):
+    tokens_spec = args.tokens  # run_path reads the row's length from args.tokens
+    for spec_row in tokens_spec.split(","):
         tokens, _, cap = spec_row.partition("@")
         tokens = args.tokens = int(tokens)
         cap_gib = float(cap) if cap else None
@@ -327,15 +386,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.memory_log and torch.cuda.is_available():
             print(f"memory before the {spec_row} row: allocated {torch.cuda.memory_allocated() / 2**30:.2f} GiB, "
                   f"reserved {torch.cuda.memory_reserved() / 2**30:.2f}", flush=True)
-        if args.recipe == "notebook":  # one document per row, cut to the row length as a user's max_length would
-            mean_len = tokens // 2
-            n_docs = 8 * (args.warmup + args.steps + 2)
-            spread = mean_len - min(256, mean_len // 4)
-        else:
-            mean_len = 40 if args.tiny else 400
-            n_docs = 2 * (args.warmup + args.steps + 2) * tokens // mean_len
-            spread = mean_len // 4
-        dataset = packed_token_dataset(n_docs, SHAPES[shape]["vocab_size"], mean_len=mean_len, spread=spread)
+        dataset = recipe_dataset(args, shape, tokens)
         run_rows = []
         runs = [(spec, "") for spec in paths] + ([(args.host_profile, "host")] if args.host_profile else []) \
             + ([(args.gaps, "gaps")] if args.gaps else []) + ([(args.gap_host, "gap_host")] if args.gap_host else [])
@@ -353,25 +404,39 @@ def main(argv: list[str] | None = None) -> list[dict]:
             except Exception as exc:
                 row = failed_row(spec, exc)
             run_rows.append(dict(row, shape=shape, tokens=tokens, weights=weights, load_s=load_s, recipe=args.recipe,
-                                 cap_gib=cap_gib, compute="fp32" if args.tiny else "fp16" if args.fp16 else "bf16"))
+                                 cap_gib=cap_gib, compute=compute_of(args)))
             print({k: v for k, v in run_rows[-1].items() if not isinstance(v, list) and k != "profile"}, flush=True)
         rows += run_rows
-        table = markdown_table(run_rows, baseline="sft" if "sft" in paths else None)
-        what = f"{tokens} tokens/step" if args.recipe == "packed" else f"notebook recipe, rows <= {tokens} tokens"
+        table = row_table(run_rows, args.recipe, paths)
+        what = f"{tokens} tokens/step" if args.recipe == "packed" else f"{args.recipe} recipe, rows <= {tokens} tokens"
         what += f", process capped at {cap_gib:g} GiB" if cap_gib else ""
         print(f"\n{shape}, {what}, {'QLoRA nf4' if quantize else 'LoRA ' + weights}\n{table}\n",
               flush=True)
         # after each row length, so a run cut short keeps the lengths it finished
-        write_results("e2e", rows, argv=argv, name=results_name(shape, args.recipe),
+        write_results("e2e", rows, argv=argv, name=results_name(shape, args, tokens_spec, paths),
                       notes="CPU smoke run (--tiny)" if args.tiny else "")
     if not args.model_dir:  # the base is in memory; a 14B model's folder is 30 GB of disk
         shutil.rmtree(folder, ignore_errors=True)
     return rows
 
 
-def results_name(shape: str, recipe: str) -> str:
-    """The results file's name (without .json) under $OUT: ``e2e_<shape>``, ``_notebook`` for that recipe."""
-    return f"e2e_{shape}" + ("_notebook" if recipe == "notebook" else "")
+def compute_of(args: argparse.Namespace) -> str:
+    """The compute dtype a run trains in: fp32 (--tiny, on the CPU), fp16 (--fp16) or bf16."""
+    return "fp32" if args.tiny else "fp16" if args.fp16 else "bf16"
+
+
+def caps_of(tokens: str) -> list[float | None]:
+    """The cap in GiB of each row of ``--tokens`` (``N@G``), None where uncapped."""
+    return [float(cap) if cap else None for cap in (t.partition("@")[2] for t in tokens.split(","))]
+
+
+def results_name(shape: str, args: argparse.Namespace, tokens: str, paths: list[str]) -> str:
+    """The results file's name (without .json) under $OUT: ``e2e_<shape>``, ``_notebook`` for that recipe; the Unsloth
+    recipe's names its compute dtype, the caps of ``tokens`` (``--tokens``) and the paths too
+    (``unsloth_recipe.results_name``)."""
+    if args.recipe == "unsloth":
+        return unsloth_recipe.results_name("e2e", shape, compute_of(args), caps_of(tokens), paths)
+    return f"e2e_{shape}" + ("_notebook" if args.recipe == "notebook" else "")
 
 
 def each_path_alone(args: argparse.Namespace, argv: list[str], folder: str, shape: str) -> list[dict]:
@@ -384,7 +449,6 @@ def each_path_alone(args: argparse.Namespace, argv: list[str], folder: str, shap
     if args.profile or args.host_profile or args.gaps or args.gap_host:
         raise SystemExit("--each-path-alone times paths only: profile a path in a run of its own")
     own = [a for a in argv if a != "--each-path-alone"]
-    name = results_name(shape, args.recipe)
     by_path: list[tuple[str, list[dict]]] = []
     for index, spec in enumerate(split_paths(args.paths), 1):
         with tempfile.TemporaryDirectory(prefix="nbkit-e2e-path-") as out:
@@ -392,7 +456,7 @@ def each_path_alone(args: argparse.Namespace, argv: list[str], folder: str, shap
             subprocess.run([sys.executable, "-m", "benchmarks.e2e", *own, "--paths", spec, "--model-dir", folder],
                            check=False, env={**os.environ, "OUT": out})
             try:
-                with open(os.path.join(out, f"{name}.json")) as f:
+                with open(os.path.join(out, f"{results_name(shape, args, args.tokens, [spec])}.json")) as f:
                     found = json.load(f)["figures"]
             except (OSError, ValueError, KeyError):
                 found = []
@@ -409,10 +473,11 @@ def each_path_alone(args: argparse.Namespace, argv: list[str], folder: str, shap
                            shape=shape, tokens=key[0], cap_gib=key[1])
             run_rows.append(row)
         rows += run_rows
-        table = markdown_table(run_rows, baseline="sft" if "sft" in [spec for spec, _ in by_path] else None)
+        table = row_table(run_rows, args.recipe, [spec for spec, _ in by_path])
         capped = f", process capped at {cap} GiB" if cap else ""
         print(f"\n{shape}, {tokens} tokens/step{capped}, each path in its own process\n{table}\n", flush=True)
-    write_results("e2e", rows, argv=argv, name=name, notes="CPU smoke run (--tiny)" if args.tiny else "")
+    write_results("e2e", rows, argv=argv, name=results_name(shape, args, args.tokens, split_paths(args.paths)),
+                  notes="CPU smoke run (--tiny)" if args.tiny else "")
     return rows
 
 

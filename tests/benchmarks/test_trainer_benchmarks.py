@@ -85,6 +85,24 @@ def test_e2e_notebook_recipe_times_whole_optimizer_steps(tmp_path, monkeypatch):
     _check_written(tmp_path / "e2e_tiny_notebook.json", "e2e", argv, rows)
 
 
+def test_e2e_unsloth_recipe_times_the_whole_run_and_every_step(tmp_path, monkeypatch):
+    """Unsloth's notebook recipe: adamw_8bit, no packing, rows cut at --tokens; every step's wall time in order (the
+    first 4 on their own), the whole train(), one results file named for the recipe, compute, cap and paths."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    argv = ["--tiny", "--recipe", "unsloth", "--paths", "sft,fastsft", "--tokens", "128", "--steps", "5"]
+    rows = e2e.main(argv)
+    assert not [r for r in rows if r.get("error")], rows
+    sft, fast = rows
+    assert fast["loss_first"] == pytest.approx(sft["loss_first"], rel=1e-4)
+    for r in rows:
+        assert r["optim"] == "adamw_8bit" and r["packing"] is False and r["warmup"] == 4
+        assert len(r["step_wall_ms_all"]) == len(r["losses"]) == r["steps"] == 5
+        assert r["first_steps_ms"] == r["step_wall_ms_all"][:4] and r["step_ms"] == r["step_wall_ms_all"][4]
+        assert sum(r["step_wall_ms_all"]) / 1000 <= r["train_s"]
+        assert all(8 * 2 <= t <= 8 * 128 for t in r["tokens_all"])  # 8 rows a step, none past the cut
+    _check_written(tmp_path / "e2e_recipe-unsloth_tiny_fp32_uncapped_sft+fastsft.json", "e2e", argv, rows)
+
+
 def test_packing_tiny_runs_sdpa_and_nbkit_to_the_same_first_loss(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
     argv = ["--tiny", "--paths", "sdpa,nbkit", "--tokens", "512", "--steps", "2", "--warmup", "1"]
