@@ -107,6 +107,11 @@ class DequantCache:
         self._runner = standalone(self, "dequant", model)
         return self._runner.dequant is self
 
+    @property
+    def runner(self) -> Any:
+        """The layer runner that drives this mode (None before ``attach`` or a runner's ``begin_training``)."""
+        return self._runner
+
     def detach(self) -> None:
         if self._runner is not None and self._runner.dequant is self:
             self._runner.detach()

@@ -364,10 +364,15 @@ class LayerRunner:
         if self.dequant is not None and self.dequant.mode is True:
             self._apply([replace(p, dequantized=True) for p in self.plans])
         self.kept_by_first = self.kept
-        self._second_pending = look is not None and self.keep is not None and any(
-            p.activations != KEPT for p in self.plans)
+        self._second_pending = look is not None and self._more_to_plan()
         why = look.why if look is not None else "no memory counters on this device: as the modes force"
         self._say_plan("first", why)
+
+    def _more_to_plan(self) -> bool:
+        """Whether a later look could upgrade a layer: activations not all kept, or weights left 4-bit."""
+        allowed = self._allowed()
+        return any((allowed.keep and p.activations != KEPT) or (allowed.dequantize and c.weights and not p.dequantized)
+                   for p, c in zip(self.plans, self.costs))
 
     def _second_look(self) -> None:
         self._second_pending = False
@@ -432,11 +437,11 @@ class LayerRunner:
 
 def standalone(mode: Any, role: str, model: torch.nn.Module, readings: Optional[Callable] = None) -> LayerRunner:
     """A runner with ``mode`` alone as ``role``, attached to ``model`` and its training begun (for a mode used on
-    its own, outside FastSFT: ``mode.attach(model)``). Where the mode does not apply, the runner is detached again
-    and no longer holds it (``getattr(runner, role) is mode`` is the mode's ``attach`` result)."""
+    its own, outside FastSFT: ``mode.attach(model)``). Where ``mode`` takes no part, the runner is detached again:
+    nothing is left wrapped (the mode's ``attach`` reads ``getattr(runner, role) is mode`` as its result)."""
     runner = LayerRunner(**{role: mode}, readings=readings)
-    if runner.attach(model) and not runner.begin_training(model):
-        runner.detach()  # the mode stepped aside at training: nothing of the runner stays on the model
+    if not (runner.attach(model) and runner.begin_training(model)):
+        runner.detach()
     if not runner.layers:
         runner._drop(mode)
     return runner

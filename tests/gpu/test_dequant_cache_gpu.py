@@ -1,6 +1,7 @@
 """``dequant_cache`` on a CUDA GPU: a QLoRA FastSFT run with its defaults keeps the dequantized weights ("auto" on a
-GPU with room), dequantizes only in its first micro-batch, and trains bit for bit as the run that dequantizes every
-call (the kept tensor is the dequantization's result; the CUDA graphs captured after the decision read it).
+GPU with room), dequantizes only in its first micro-batch (the layer plan keeps the copies at the first layer call of
+the second), and trains bit for bit as the run that dequantizes every call (the kept tensor is the dequantization's
+result; the CUDA graphs captured after the decision read it).
 
 Tolerance: none; losses and every step's LoRA gradients equal.
 """
@@ -25,6 +26,7 @@ def _train(tmp_path, tag: str, cache, monkeypatch, **kw):
     from nbkit.demo.models import tiny_model
     from nbkit.demo.tokenizer import load_demo_tokenizer
     from nbkit.loading import load_model
+    from nbkit.speedups.nf4_weights import kept_weight
 
     tok = load_demo_tokenizer()
     folder = tmp_path / "base"
@@ -41,16 +43,20 @@ def _train(tmp_path, tag: str, cache, monkeypatch, **kw):
     torch.manual_seed(0)
     trainer = FastSFT(model=model, args=args, train_dataset=make_dataset("messages", n=300), processing_class=tok,
                       callbacks=[grads])
-    calls: list[int] = []  # the micro-batch of each dequantization a fused layer asked for
-    real = fused_lora.dequantize
+    calls: list[int] = []  # the micro-batch of each dequantization a fused layer asked for (no kept copy to read)
+    micro_batches = [0]
+    trainer.model.register_forward_pre_hook(
+        lambda module, args: micro_batches.__setitem__(0, micro_batches[0] + module.training))
+    real = fused_lora.weight_of
 
     def counted(base, dtype):
-        calls.append(trainer._nbkit_micro_batches)
+        if kept_weight(base, dtype) is None:
+            calls.append(micro_batches[0])
         return real(base, dtype)
 
-    monkeypatch.setattr(fused_lora, "dequantize", counted)
+    monkeypatch.setattr(fused_lora, "weight_of", counted)
     trainer.train()
-    monkeypatch.setattr(fused_lora, "dequantize", real)
+    monkeypatch.setattr(fused_lora, "weight_of", real)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return losses, grads.steps, calls, trainer.nbkit_attached
 

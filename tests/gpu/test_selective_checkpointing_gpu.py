@@ -172,7 +172,7 @@ def test_the_measure_matches_the_memory_an_unchecked_layer_holds():
     unchecked, out = forward()  # step 2: decided (every layer fits on this GPU)
     del out
     assert speedup.kept == layers
-    measured = [speedup._saved[i] for i in range(layers)]
+    measured = [layer.saved for layer in speedup.runner.layers]
     speedup.detach()
     actual = (unchecked - checkpointed) / layers
     print(f"per layer: measured {[m / 2**20 for m in measured]} MiB, held {actual / 2**20:.1f} MiB")
@@ -191,50 +191,49 @@ def test_the_limit_counts_what_other_processes_hold():
 
 
 def test_the_second_look_trains_as_plain_checkpointing_on_a_4bit_base(tmp_path, monkeypatch):
-    """The readings faked so that the plan keeps 1 layer and the second look (before micro-batch 3) the other 3,
-    every other switch at its default (the dequantized weights kept; the call-counting hooks keep the layers out of
-    CUDA graphs): the same training as plain checkpointing."""
+    """The budget's looks replaced so that the plan keeps the last layer whole and the second look (at micro-batch 3,
+    after the first optimizer step) the other 3, every other switch at its default (the call-counting hooks keep the
+    layers out of CUDA graphs): the same training as plain checkpointing."""
     pytest.importorskip("bitsandbytes")
-    from nbkit.speedups import selective_checkpointing as selective
+    from nbkit.speedups.layer_budget import Budget, Look
+    from nbkit.speedups.layer_runner import LayerRunner
 
     build = _four_bit(tmp_path / "base")
     plain = _train(tmp_path, "plain", build, False)
     again = _train(tmp_path, "again", build, False)
-    looks, built, at_detach = [], [], []
-    real_init, real_detach = selective.SelectiveCheckpointing.__init__, selective.SelectiveCheckpointing.detach
+    looks, runners, at_detach = [], [], []
+    real_init, real_detach = LayerRunner.__init__, LayerRunner.detach
 
     def init(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
-        built.append(self)
+        runners.append(self)
 
     def detach(self):  # what was decided, read before detach clears it
-        at_detach.append((self.kept, self.added))
+        if self.layers:
+            at_detach.append((self.kept, self.added))
         real_detach(self)
 
-    def readings(device):
-        speedup = built[-1]
-        if not speedup._saved:  # attach's check that this is a CUDA model
-            return 1 << 40, 0, 0
-        size = max(speedup._saved[i] / speedup._tokens[i] for i in speedup._saved) * speedup.max_tokens
-        plan = not looks
-        room = (1.5 if plan else 10) * size / selective.SHARE
-        looks.append(room)
-        limit = 1 << 40
-        peak = int(limit * (1 - selective.MARGIN) - room)
-        # the plan counts what was allocated since step 1 as grown; the second look scales the peak above what is
-        # allocated by the longest micro-batch to come: both zero here, so that the room is as set
-        return limit, peak, 0 if plan else peak
+    def first(budget):
+        c = runners[-1].costs
+        looks.append("first")
+        return Look(c[-1].kept - c[-1].input, "test")  # the last layer whole; no room for another's attention
 
-    monkeypatch.setattr(selective.SelectiveCheckpointing, "__init__", init)
-    monkeypatch.setattr(selective.SelectiveCheckpointing, "detach", detach)
-    monkeypatch.setattr(selective, "memory_readings", readings)
+    def second(budget, scale):
+        c = runners[-1].costs
+        looks.append("second")
+        return Look(sum(x.kept - x.input + x.weights for x in c), "test")  # every layer
+
+    monkeypatch.setattr(LayerRunner, "__init__", init)
+    monkeypatch.setattr(LayerRunner, "detach", detach)
+    monkeypatch.setattr(Budget, "first_look", first)
+    monkeypatch.setattr(Budget, "second_look", second)
     fast = _train(tmp_path, "auto", build, "auto")
     layers = SHAPE["num_hidden_layers"]
     noise = max(max_relative(a, b) for a, b in zip(again[1], plain[1]))
     err = max(max_relative(a, b) for a, b in zip(fast[1], plain[1]))
     print(f"losses {plain[0]} vs {fast[0]}; LoRA gradients: plain vs plain {noise:.2e}, two looks vs plain "
-          f"{err:.2e}; attached {fast[3].nbkit_attached}")
-    assert len(looks) == 2 and at_detach[-1] == (layers, layers - 1)
+          f"{err:.2e}; attached {fast[3].nbkit_attached}; plan {fast[3].nbkit_layer_stats['plan']}")
+    assert looks == ["first", "second"] and at_detach[-1] == (layers, layers - 1)
     assert fast[0] == pytest.approx(plain[0], rel=1e-2)
     assert err <= max(2 * noise, 1e-2)
-    assert fast[2] == [2 + 2 + 1] * (layers - 1) + [2 + 1 + 1]  # recomputed until the look before micro-batch 3
+    assert fast[2] == [2 + 2 + 1] * (layers - 1) + [2 + 1 + 1]  # recomputed until the second look, at micro-batch 3

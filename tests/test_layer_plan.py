@@ -1,0 +1,203 @@
+"""The layer plan's planner (``layer_plan.spend``, ``describe``) and the budget's looks (``layer_budget.Budget``),
+pure: hand-made costs and fake memory readings, no model.
+
+``spend`` upgrades contiguous runs from the last layer, each paid by the difference between the new state's bytes
+and the present state's: layers kept whole first, then (from where that stopped) kept with the MLP recomputed where
+that saves bytes, then weights dequantized, then offloaded inputs back on the GPU; a later look goes on from the
+plans the first made. The budget spends ``SHARE`` of what is left under the limit less ``MARGIN``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nbkit.speedups import layer_budget
+from nbkit.speedups.layer_budget import MARGIN, SHARE, Budget
+from nbkit.speedups.layer_plan import (
+    CHECKPOINTED,
+    KEPT,
+    MLP_RECOMPUTED,
+    OFFLOADED,
+    Allowed,
+    LayerCost,
+    LayerPlan,
+    describe,
+    spend,
+)
+
+C, M, K, OFF = CHECKPOINTED, MLP_RECOMPUTED, KEPT, OFFLOADED
+# a layer keeps 100 bytes whole, 40 with the MLP recomputed, 10 checkpointed (its input); 30 of weights dequantized
+COST = LayerCost(kept=100, mlp_recomputed=40, input=10, weights=30)
+
+
+def plans_of(*activations: str, dequantized: tuple[int, ...] = ()) -> list[LayerPlan]:
+    return [LayerPlan(a, dequantized=i in dequantized) for i, a in enumerate(activations)]
+
+
+def states(plans: list[LayerPlan]) -> list[str]:
+    return [p.activations for p in plans]
+
+
+def dequantized(plans: list[LayerPlan]) -> list[int]:
+    return [i for i, p in enumerate(plans) if p.dequantized]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# spend
+
+
+def test_layers_are_kept_whole_from_the_last_layer_each_paid_by_the_difference():
+    costs = [COST] * 4
+    for budget, kept in ((0, 0), (89, 0), (90, 1), (179, 1), (180, 2), (360, 4)):
+        plans, spent = spend(plans_of(C, C, C, C), costs, budget, Allowed(split=False, dequantize=False))
+        assert states(plans) == [C] * (4 - kept) + [K] * kept, budget
+        assert spent == 90 * kept  # 100 kept less the 10 its input held already
+
+
+def test_a_run_stops_at_the_first_layer_that_does_not_fit():
+    """Contiguous from the last layer: a cheaper layer before one that does not fit is not taken."""
+    costs = [LayerCost(20, 20, 10), LayerCost(20, 20, 10), LayerCost(500, 500, 10), LayerCost(20, 20, 10)]
+    plans, spent = spend(plans_of(C, C, C, C), costs, 100, Allowed(dequantize=False))
+    assert states(plans) == [C, C, C, K] and spent == 10
+
+
+def test_then_the_mlp_recomputed_from_where_the_kept_run_stopped():
+    costs = [COST] * 4
+    plans, spent = spend(plans_of(C, C, C, C), costs, 90 + 30 + 30 + 29, Allowed(dequantize=False))
+    assert states(plans) == [C, M, M, K] and spent == 90 + 2 * 30
+
+
+def test_the_mlp_only_recompute_is_chosen_only_where_it_saves_bytes():
+    """A tiled MLP keeps only its input: recomputing it saves nothing, so no layer is planned that way."""
+    costs = [LayerCost(kept=100, mlp_recomputed=100, input=10)] * 4
+    plans, _ = spend(plans_of(C, C, C, C), costs, 150, Allowed(dequantize=False))
+    assert states(plans) == [C, C, C, K]
+    plans, _ = spend(plans_of(C, C, C, C), [LayerCost(100, 120, 10)] * 4, 150, Allowed(dequantize=False))
+    assert states(plans) == [C, C, C, K]
+
+
+def test_weights_come_after_activations_from_the_last_layer():
+    costs = [COST] * 4
+    # every layer kept whole (360) and two layers' weights (60): the last two
+    plans, spent = spend(plans_of(C, C, C, C), costs, 360 + 60 + 29)
+    assert states(plans) == [K] * 4 and dequantized(plans) == [2, 3] and spent == 420
+    # room for weights alone is spent on activations first
+    plans, spent = spend(plans_of(C, C, C, C), costs, 120)
+    assert states(plans) == [C, C, M, K] and dequantized(plans) == [] and spent == 120
+    # a layer without 4-bit weights is passed over, not a stop
+    mixed = [COST, COST, LayerCost(100, 40, 10, 0), COST]
+    plans, _ = spend(plans_of(K, K, K, K), mixed, 60)
+    assert dequantized(plans) == [1, 3]
+
+
+def test_offloaded_inputs_come_back_last():
+    """An offloaded layer keeps nothing on the GPU: keeping it whole costs all it keeps, and what is left after
+    the activations and the weights brings offloaded inputs back, from the last layer."""
+    costs = [LayerCost(100, 80, 10)] * 3 + [LayerCost(100, 80, 10, weights=5)]
+    plans, spent = spend(plans_of(OFF, OFF, OFF, OFF), costs, 100 + 80 + 5 + 10 + 4, Allowed())
+    assert states(plans) == [OFF, C, M, K] and dequantized(plans) == [3] and spent == 195
+    plans, _ = spend(plans_of(OFF, OFF, OFF, OFF), costs, 25, Allowed(keep=False, dequantize=False))
+    assert states(plans) == [OFF, OFF, C, C]
+
+
+def test_what_the_switches_do_not_allow_is_never_chosen():
+    costs = [COST] * 2
+    plans, spent = spend(plans_of(C, C), costs, 10**6, Allowed(keep=False, dequantize=False))
+    assert states(plans) == [C, C] and spent == 0
+    plans, _ = spend(plans_of(C, C), costs, 10**6, Allowed(dequantize=False))
+    assert states(plans) == [K, K] and dequantized(plans) == []
+    plans, _ = spend(plans_of(OFF, OFF), costs, 10**6, Allowed(keep=False))
+    assert states(plans) == [C, C] and dequantized(plans) == [0, 1]
+
+
+def test_the_second_look_goes_on_from_the_first():
+    """The first look keeps the last layer and recomputes the MLP of the one before; the second, with more, pays
+    only the difference: that layer kept whole (60), the next whole (90), the next with the MLP recomputed (30)."""
+    costs = [COST] * 4
+    first, spent = spend(plans_of(C, C, C, C), costs, 130, Allowed(dequantize=False))
+    assert states(first) == [C, C, M, K] and spent == 120
+    second, spent = spend(first, costs, 60 + 90 + 30, Allowed(dequantize=False))
+    assert states(second) == [M, K, K, K] and spent == 180
+    third, spent = spend(second, costs, 0, Allowed(dequantize=False))
+    assert third == second and spent == 0
+
+
+def test_graphed_is_left_to_the_caller():
+    plans = [LayerPlan(C), LayerPlan(K, graphed=True)]
+    out, _ = spend(plans, [COST] * 2, 10**6, Allowed(dequantize=False))
+    assert out == [LayerPlan(K), LayerPlan(K, graphed=True)]
+
+
+def test_describe_says_the_plan_in_one_line():
+    plans = [LayerPlan(OFF), LayerPlan(C), LayerPlan(M), LayerPlan(K), LayerPlan(K, graphed=True)]
+    assert describe(plans, False) == "5 layers: 2 kept (1 graphed), 1 with the MLP recomputed, 1 checkpointed, 1 offloaded"
+    assert describe([LayerPlan(C)] * 3, False) == "3 layers: 3 checkpointed"
+    assert describe([LayerPlan(K)] * 2, True) == "2 layers: 2 kept; weights 4-bit"
+    assert describe([LayerPlan(K, dequantized=True)] * 2, True) == "2 layers: 2 kept; weights dequantized"
+    assert describe([LayerPlan(K), LayerPlan(C, dequantized=True)], True) == \
+        "2 layers: 1 kept, 1 checkpointed; weights dequantized in 1, 4-bit in 1"
+    assert "\n" not in describe(plans, True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the budget's looks
+
+LIMIT = 1 << 30
+CPU = torch.device("cpu")
+
+
+def fake(values: list) -> Budget:
+    """A budget whose readings are ``values``' entries in turn (the last one repeated)."""
+    calls = iter(values)
+    last = [values[-1]]
+
+    def readings(device):
+        last[0] = next(calls, last[0])
+        return last[0]
+
+    return Budget(CPU, readings)
+
+
+def test_no_readings_no_look():
+    budget = Budget(CPU, lambda device: None)
+    assert not budget.measured
+    assert budget.first_look() is None and budget.second_look(2.0) is None and budget.graphs_room(1) is None
+
+
+def test_the_first_look_spends_a_share_of_what_step_1_left():
+    budget = fake([(LIMIT, 0, 100), (LIMIT, 300 << 20, 100 + (50 << 20))])
+    budget.start()
+    look = budget.first_look()
+    assert look.spend == int(SHARE * (LIMIT * (1 - MARGIN) - (300 << 20) - (50 << 20)))  # the peak, what grew
+    assert "to spend" in look.why and "\n" not in look.why
+    budget.start()  # once: the growth still counts from the first
+    assert fake([(LIMIT, LIMIT, 0)]).first_look().spend == 0  # never negative
+
+
+def test_the_second_look_scales_the_peak_above_what_is_held_and_counts_reserved(monkeypatch):
+    held, peak = LIMIT // 4, LIMIT // 2
+    budget = fake([(LIMIT, peak, held)])
+    assert budget.second_look(1.0).spend == int(SHARE * (LIMIT * (1 - MARGIN) - peak))
+    assert budget.second_look(0.5).spend == budget.second_look(1.0).spend  # never scaled down
+    assert budget.second_look(1.5).spend == int(SHARE * (LIMIT * (1 - MARGIN) - held - 1.5 * (peak - held)))
+    assert budget.second_look(4.0).spend == 0
+    monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: int(LIMIT * 0.8))
+    assert budget.second_look(1.0).spend == int(SHARE * (LIMIT * (1 - MARGIN) - LIMIT * 0.8))
+
+
+def test_graph_pools_keep_the_step_s_headroom(monkeypatch):
+    budget = fake([(LIMIT, LIMIT // 2, LIMIT // 4)])
+    assert budget.graphs_room(LIMIT // 8) is None
+    assert "no memory for more graphs" in budget.graphs_room(LIMIT // 2 + 1)
+    monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: LIMIT // 2)
+    assert budget.graphs_room(LIMIT // 8) is None and budget.graphs_room(LIMIT // 4 + 1) is not None
+
+
+def test_off_cuda_nothing_is_crowded():
+    assert fake([(LIMIT, 0, 0)]).crowded(LIMIT * 10) is False
+
+
+@pytest.mark.parametrize("share", [SHARE])
+def test_the_share_keeps_a_quarter_back(share):
+    assert share == 0.75 and 0 < MARGIN < 1 - share
