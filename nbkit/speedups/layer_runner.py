@@ -55,6 +55,7 @@ from .ledger import PatchLedger
 
 logger = logging.getLogger(__name__)
 
+_UNSIZED = 1 << 62  # the cost of keeping a layer nothing measured: more than any budget
 FFN_NAMES = ("mlp", "feed_forward", "block_sparse_moe")  # a decoder layer's feed-forward submodule, by family
 
 
@@ -339,8 +340,9 @@ class LayerRunner:
         for layer in self.layers:
             weights = self.dequant.bytes_of(layer) if self.dequant is not None else 0
             source = layer if layer.measured and layer.tokens else worst
-            if source is None:
-                costs.append(LayerCost(0, 0, 0, weights))
+            if source is None:  # nothing measured (no backward ran): a checkpointed layer is never kept unsized
+                unsized = _UNSIZED if layer.checkpointed else 0
+                costs.append(LayerCost(unsized, unsized, 0, weights))
                 continue
             scale = self.max_tokens / source.tokens
             kept = int(source.saved * scale * scale ** (power - 1))
