@@ -201,17 +201,3 @@ def test_off_cuda_nothing_is_crowded():
 @pytest.mark.parametrize("share", [SHARE])
 def test_the_share_keeps_a_quarter_back(share):
     assert share == 0.75 and 0 < MARGIN < 1 - share
-
-
-def test_with_graphs_the_weights_wait_for_the_second_look():
-    """The graphs' pools are reserved only once their buckets are captured: a first look that kept weights
-    dequantized would take the room the pools need (on a 15 GiB fp16 card, layers then ran eagerly, recomputed)."""
-    from nbkit.ops.layer_graphs import TapeBackend
-    from nbkit.speedups.cuda_graphs import CudaGraphs
-    from nbkit.speedups.dequant_cache import DequantCache
-    from nbkit.speedups.layer_runner import LayerRunner
-
-    graphed = LayerRunner(graphs=CudaGraphs(backend=TapeBackend()), dequant=DequantCache())
-    assert not graphed._allowed(first=True).dequantize and graphed._allowed().dequantize
-    alone = LayerRunner(dequant=DequantCache())
-    assert alone._allowed(first=True).dequantize and alone._allowed().dequantize

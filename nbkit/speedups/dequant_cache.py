@@ -9,9 +9,7 @@ layer: a layer's base weights dequantized once, in the step's compute dtype, kep
 bitsandbytes' dequantization returns, so every output and gradient is bit for bit the same.
 
 When: at the plan's first look (after step 1) and its second, from the same budget as the activations and after
-them: keeping a layer's activations saves its whole forward recompute, a kept weight only its dequantization. With
-CUDA graphs on, at the second look only: the graphs' pools are reserved by then and counted, and a kept weight must
-not take their room (a graph that cannot be captured for want of memory runs its layer eagerly and recomputed).
+them: keeping a layer's activations saves its whole forward recompute, a kept weight only its dequantization.
 
 Which weights: the frozen NF4/FP4 bases of the LoRA layers ``fused_lora`` runs (``fused_lora.why_not_fusable``); only
 the fused path reads the kept copy (PEFT's own forward dequantizes as before). The dtype is the trainer's compute

@@ -351,12 +351,9 @@ class LayerRunner:
             costs.append(LayerCost(kept, split, int(source.input * scale), weights))
         return costs
 
-    def _allowed(self, first: bool = False) -> Allowed:
-        """What a look may choose. With graphs, weights wait for the second look: the graphs' pools (one per bucket
-        captured, held for the run) are reserved by then and counted, and a kept weight must not take their room."""
+    def _allowed(self) -> Allowed:
         keep = self.keep is not None
-        dequantize = self.dequant is not None and not (first and self.graphs is not None)
-        return Allowed(keep=keep, split=keep and self.keep.split, dequantize=dequantize, onload=keep)
+        return Allowed(keep=keep, split=keep and self.keep.split, dequantize=self.dequant is not None, onload=keep)
 
     def _first_look(self) -> None:
         self.planned = True
@@ -365,7 +362,7 @@ class LayerRunner:
         forced = (self.keep is not None and self.keep.mode is True) or \
             (self.dequant is not None and self.dequant.mode is True)
         budget = look.spend if look is not None else (sum(c.kept + c.weights for c in self.costs) if forced else 0)
-        self._apply(spend(self.plans, self.costs, budget, self._allowed(first=True))[0])
+        self._apply(spend(self.plans, self.costs, budget, self._allowed())[0])
         if self.dequant is not None and self.dequant.mode is True:
             self._apply([replace(p, dequantized=True) for p in self.plans])
         self.kept_by_first = self.kept
