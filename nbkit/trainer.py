@@ -259,7 +259,8 @@ class FastSFT(ReliableTraining, SFTTrainer):
                     if speedup.attach(target):
                         self._speedups.append(speedup)
             self.nbkit_attached = self.active_speedups
-            self._train_stage.pending = speedups.build("train", self.args, packed, self.train_dataset, path)
+            self._train_stage.pending = speedups.build("train", self.args, packed, self.train_dataset, path,
+                                                       attached=self._speedups)
             yield self._speedups
         finally:
             self.nbkit_attached = self.active_speedups
