@@ -62,18 +62,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Recorder:
     """What one rank's training forwards ran on: the batch, the packed metadata, the experts implementation.
 
-    ``attach`` goes after nbkit's speedups: its decoder pre-hook then runs after ``PackedAttention``'s and sees the
-    ``PackedRun`` (metadata + kernel) that every layer of that forward reads.
+    ``attach`` goes after nbkit's speedups: its decoder pre-hook then runs after ``PackedAttention``'s and finds, in
+    ``packed`` (that speedup, None without it), the ``PackedRun`` (metadata + kernel) every layer of that forward reads.
     """
 
     def __init__(self) -> None:
         self.forwards: list[dict[str, Any]] = []
         self.expert_calls: dict[str, int] = {}  # implementation -> experts calls in training forwards
         self._hooks: list = []
+        self._packed: Any = None
 
-    def attach(self, model: torch.nn.Module) -> None:
+    def attach(self, model: torch.nn.Module, packed: Any = None) -> None:
         from nbkit.model_parts import unwrap_model
 
+        self._packed = packed
         base = unwrap_model(model)
         self._hooks = [base.get_decoder().register_forward_pre_hook(self._see, with_kwargs=True)]
         for m in base.modules():
@@ -84,10 +86,12 @@ class Recorder:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._packed = None
 
     def _see(self, module, args, kwargs):
         if module.training:
-            run, ids, pos = kwargs.get("nbkit_run"), kwargs.get("input_ids"), kwargs.get("position_ids")
+            run = self._packed.run_for(kwargs) if self._packed is not None else None
+            ids, pos = kwargs.get("input_ids"), kwargs.get("position_ids")
             self.forwards.append({
                 "input_ids": ids.reshape(-1).tolist(),
                 "starts": (pos.reshape(-1) == 0).nonzero().flatten().tolist() if pos is not None else None,
@@ -181,7 +185,8 @@ def train_once(opts: argparse.Namespace, run: str, **config_overrides: Any) -> N
 
     class Record(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
-            recorder.attach(trainer.model)
+            packed = next((s for s in getattr(trainer, "_speedups", []) if s.name == "cached_packing"), None)
+            recorder.attach(trainer.model, packed)
 
         def on_train_end(self, args, state, control, **kwargs):
             # still inside train(): the speedups are attached and their counters say what ran on this rank
@@ -277,7 +282,7 @@ def fsdp2_direct(opts: argparse.Namespace) -> None:
     if offload.attach(model):
         attached.append(offload)
     recorder = Recorder()
-    recorder.attach(model)
+    recorder.attach(model, packed if packed in attached else None)
     loss = model(**batches[rank]).loss
     loss.backward()
     grads = {}

@@ -80,6 +80,12 @@ def _steps(model, batches, *speedups) -> tuple[list[float], list[dict[str, torch
     return losses, grads
 
 
+def _packed_graphs(mode=True, **kwargs) -> tuple[PackedAttention, CudaGraphs]:
+    """Packed attention on the exact SDPA kernel, and graphs on tapes that read its per-forward runs."""
+    packed = PackedAttention(kernel="sdpa")
+    return packed, CudaGraphs(mode=mode, backend=TapeBackend(), packed=packed, **kwargs)
+
+
 def _close(a: list[dict], b: list[dict]) -> None:
     for ga, gb in zip(a, b):
         assert ga.keys() == gb.keys() and len(ga) > 0
@@ -94,9 +100,9 @@ BATCHES = [[120, 80, 100], [256, 128], [50, 150, 40], [120, 80, 100]]
 def test_padded_replays_give_the_eager_layers_loss_and_lora_gradients(caplog):
     batches = [_batch(lengths, seed) for seed, lengths in enumerate(BATCHES)]
     plain = _steps(_model(), batches, PackedAttention(kernel="sdpa"), FusedLoRA())
-    graphs = CudaGraphs(mode=True, backend=TapeBackend())
+    packed, graphs = _packed_graphs()
     with caplog.at_level("DEBUG", logger="nbkit.speedups.cuda_graphs"):
-        graphed = _steps(_model(), batches, PackedAttention(kernel="sdpa"), FusedLoRA(), graphs)
+        graphed = _steps(_model(), batches, packed, FusedLoRA(), graphs)
     # each capture says what it reserved (0 off CUDA): what reading an out-of-memory under graphs needs
     assert caplog.text.count("layers captured at") == 2 and "4 layers captured at 384 tokens" in caplog.text
     torch.testing.assert_close(graphed[0], plain[0], rtol=1e-5, atol=0)
@@ -112,9 +118,9 @@ def test_padded_replays_give_the_eager_layers_loss_and_lora_gradients(caplog):
 def test_the_padding_is_its_own_document_with_a_zero_gradient():
     """A bucket's padding, filled with anything finite, changes no real token's output or gradient."""
     batch = _batch([100, 60], seed=3)  # 160 tokens in the 256 bucket
-    graphs = CudaGraphs(mode=True, backend=TapeBackend())
+    packed, graphs = _packed_graphs()
     model = _model()
-    for s in (PackedAttention(kernel="sdpa"), FusedLoRA(), graphs):
+    for s in (packed, FusedLoRA(), graphs):
         assert s.attach(model)
     entry = next(g for g in graphs._graphs.values()) if graphs._graphs else None
     assert entry is None
@@ -130,7 +136,8 @@ def test_the_padding_is_its_own_document_with_a_zero_gradient():
 
 def test_a_second_forward_before_the_backward_is_refused():
     model = _model()
-    speedups = [PackedAttention(kernel="sdpa"), FusedLoRA(), CudaGraphs(mode=True, backend=TapeBackend())]
+    packed, graphs = _packed_graphs()
+    speedups = [packed, FusedLoRA(), graphs]
     for s in speedups:
         s.attach(model)
     batch = _batch([100, 60], seed=1)
@@ -144,8 +151,8 @@ def test_calls_a_graph_cannot_take_run_eagerly_with_their_reason():
     """Training calls a graph cannot take run eagerly, counted by reason. Calls outside training (eval, no grad)
     never reach the graphs: the runner calls the layer's own forward, which gives the same output as without it."""
     model = _model()
-    graphs = CudaGraphs(mode=True, backend=TapeBackend(), max_tokens=256)
-    for s in (PackedAttention(kernel="sdpa"), FusedLoRA(), graphs):
+    packed, graphs = _packed_graphs(max_tokens=256)
+    for s in (packed, FusedLoRA(), graphs):
         s.attach(model)
     runner = graphs._runner
     many_docs = _batch([6] * 40, seed=4)  # 40 documents: above the 256 bucket's 32
@@ -167,11 +174,23 @@ def test_calls_a_graph_cannot_take_run_eagerly_with_their_reason():
         torch.testing.assert_close(model.train()(**short).logits, training_with_no_grad, rtol=0, atol=0)
 
 
-def test_a_layer_with_hooks_inside_runs_eagerly():
-    """A hook runs in Python: a graph would run it once, at capture. The layer's own hooks run around the replay."""
+def test_graphs_not_handed_the_packed_attention_run_eagerly():
+    """The graphs read a forward's packed metadata through the ``PackedAttention`` they are given (its runs, by the
+    forward's ``cu_seq_lens_q``): without one, attached beside them or not, every call is eager, and says why."""
     model = _model()
     graphs = CudaGraphs(mode=True, backend=TapeBackend())
     for s in (PackedAttention(kernel="sdpa"), FusedLoRA(), graphs):
+        assert s.attach(model)
+    model(**_batch([100, 60], seed=1)).loss.backward()
+    assert graphs.replays == 0 and graphs.captured == 0
+    assert graphs.eager == {"no packed metadata (cached_packing off)": 4}  # 4 layers
+
+
+def test_a_layer_with_hooks_inside_runs_eagerly():
+    """A hook runs in Python: a graph would run it once, at capture. The layer's own hooks run around the replay."""
+    model = _model()
+    packed, graphs = _packed_graphs()
+    for s in (packed, FusedLoRA(), graphs):
         s.attach(model)
     layers = model.get_base_model().model.layers
     seen = []
@@ -189,8 +208,8 @@ def test_auto_graphs_only_buckets_small_enough_for_the_launches_to_matter(monkey
     per_layer = graphs_mod.layer_parameters(_model().get_base_model().model.layers[0])
     monkeypatch.setattr(graphs_mod, "AUTO_MAX_WORK", per_layer * 300)
     model = _model()
-    graphs = CudaGraphs(mode="auto", backend=TapeBackend())
-    for s in (PackedAttention(kernel="sdpa"), FusedLoRA(), graphs):
+    packed, graphs = _packed_graphs(mode="auto")
+    for s in (packed, FusedLoRA(), graphs):
         assert s.attach(model)
     assert graphs.max_tokens == 300
     model(**_batch([100, 100], seed=0)).loss.backward()  # 200 tokens: the 256 bucket
@@ -237,7 +256,7 @@ def test_another_layer_is_captured_only_while_the_step_keeps_its_headroom(monkey
 
 
 def _attached(model, graphs):
-    for s in (PackedAttention(kernel="sdpa"), FusedLoRA(), graphs):
+    for s in (graphs.packed, FusedLoRA(), graphs):
         assert s.attach(model)
 
 
@@ -260,7 +279,7 @@ def test_a_row_whose_bucket_does_not_fit_replays_a_larger_captured_one(monkeypat
     be captured replays the smallest captured bucket that holds it, padded, with the eager layers' numbers."""
     batches = [_batch([256, 128], seed=1), _batch([120, 80], seed=2)]  # buckets 384, then 256
     expected = _plain(batches)
-    graphs = CudaGraphs(mode=True, backend=TapeBackend())
+    _, graphs = _packed_graphs()
     model = _model()
     _attached(model, graphs)
     monkeypatch.setattr(CudaGraphs, "_memory_problem",
@@ -291,7 +310,7 @@ def test_an_eager_call_of_a_graphed_layer_recomputes_only_without_room_for_a_sec
     monkeypatch.setattr(CudaGraphs, "_memory_problem", problem)
     batches = [_batch([200, 56], seed=1), _batch([300, 100], seed=2)]  # 256 tokens: graphs; 400: above max_tokens
     expected = _plain(batches)
-    graphs = CudaGraphs(mode=True, backend=TapeBackend(), max_tokens=256)
+    _, graphs = _packed_graphs(max_tokens=256)
     model = _model()
     _attached(model, graphs)
     saved = []

@@ -26,7 +26,7 @@ is engaged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, Sequence
 
 from ..switches import switch
 from .ledger import PatchLedger, Speedup
@@ -263,11 +263,21 @@ SPEEDUPS: tuple[SpeedupSpec, ...] = (
 ALWAYS_ON = frozenset(spec.name for spec in SPEEDUPS if not spec.switched)  # not listed as attached: no choice
 
 
-def build(stage: str, args: Any, packed_batches: bool, dataset: Any = None, path: Any = None) -> list[Speedup]:
+def build(stage: str, args: Any, packed_batches: bool, dataset: Any = None, path: Any = None,
+          attached: Sequence[Speedup] = ()) -> list[Speedup]:
     """The speedups of ``stage`` this run's arguments (and its train dataset, where they need it) switch on, in
     table order (attach order). ``path``: the run's ``fast_path.FastPath``, decided once before anything changed;
-    a row it does not allow is not built (none, for a run it keeps on TRL's own path)."""
+    a row it does not allow is not built (none, for a run it keeps on TRL's own path). ``attached``: the speedups
+    of the stages before, attached now. One that reads another's work is handed it here: the layer runner's
+    ``cuda_graphs`` mode reads the per-forward runs of ``cached_packing``'s ``PackedAttention``
+    (``CudaGraphs.packed``)."""
     allows = path.allows if path is not None else None
-    built = (spec.build(args, packed_batches, dataset, allows) for spec in SPEEDUPS
-             if spec.stage == stage and (allows is None or spec.name == LAYERS or allows(spec.name)))
-    return [s for s in built if s is not None]
+    built = [s for s in (spec.build(args, packed_batches, dataset, allows) for spec in SPEEDUPS
+                         if spec.stage == stage and (allows is None or spec.name == LAYERS or allows(spec.name)))
+             if s is not None]
+    packed = next((s for s in (*attached, *built) if s.name == "cached_packing"), None)
+    for speedup in built:
+        graphs = getattr(speedup, "graphs", None)
+        if graphs is not None and getattr(graphs, "packed", None) is None:
+            graphs.packed = packed
+    return built

@@ -63,7 +63,7 @@ import enum
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -74,6 +74,9 @@ from ..ops.varlen_attention import KERNEL_FNS, PackedRun
 from ..say_once import SayOnce
 from ..settings import check_value
 from .graph_buckets import BUCKETS, DROPPED_KWARGS, TOKENWISE_KWARGS, BucketMetadata, bucket_for, doc_capacity, rope_key
+
+if TYPE_CHECKING:
+    from .packed_attention import PackedAttention
 
 logger = logging.getLogger(__name__)
 
@@ -185,10 +188,14 @@ class CudaGraphs:
 
     name = "cuda_graphs"
 
-    def __init__(self, mode: Mode = "auto", max_tokens: int = MAX_TOKENS, backend: Any = None) -> None:
-        """``backend``: how graphs are made (default ``CudaGraphBackend``; tests pass ``layer_graphs.TapeBackend``)."""
+    def __init__(self, mode: Mode = "auto", max_tokens: int = MAX_TOKENS, backend: Any = None,
+                 packed: Optional[PackedAttention] = None) -> None:
+        """``backend``: how graphs are made (default ``CudaGraphBackend``; tests pass ``layer_graphs.TapeBackend``).
+        ``packed``: the attached ``PackedAttention`` whose per-forward runs the graphs read (None: no packed metadata,
+        every call eager)."""
         check_value("cuda_graphs", mode)
         self.mode = mode
+        self.packed = packed
         self.backend = backend if backend is not None else CudaGraphBackend()
         self.max_tokens = self._given_max = max_tokens
         self._say = SayOnce(logger, "nbkit cuda_graphs")
@@ -312,7 +319,7 @@ class CudaGraphs:
         """Whether this forward's eager calls of graphed layers keep their activations: whether every graphed
         layer's, at this call's tokens, fits beside the pools (``_memory_problem``). Decided at the forward's first
         such call, for all of them (its later layers' activations are not there yet to be counted)."""
-        run = kwargs.get("nbkit_run")
+        run = self._run(kwargs)
         if run is not None and run is self._eager_run:
             return self._eager_keeps
         problem = self._memory_problem(x.device, x.shape[1], max(len(self._graphed), 1))
@@ -323,10 +330,13 @@ class CudaGraphs:
                       logging.INFO)
         return problem is None
 
+    def _run(self, kwargs: dict) -> Optional[PackedRun]:
+        return self.packed.run_for(kwargs) if self.packed is not None else None
+
     def _plan(self, x: Any, args: tuple, kwargs: dict) -> Union[Eager, Variant]:
         """This forward's graph variant (bucket, autocast state, constant arguments, per-token arguments), or why
         its layer calls cannot run on graphs. The same for every layer of one forward: decided at its first call."""
-        run = kwargs.get("nbkit_run")
+        run = self._run(kwargs)
         if run is None or run is not self._plan_run:
             plan = self._plan_for(x, args, kwargs)
             if isinstance(run, PackedRun):
@@ -337,7 +347,7 @@ class CudaGraphs:
     def _plan_for(self, x: Any, args: tuple, kwargs: dict) -> Union[Eager, Variant]:
         if args or not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[0] != 1:
             return Eager("not one padding-free row")
-        run = kwargs.get("nbkit_run")
+        run = self._run(kwargs)
         if not isinstance(run, PackedRun):
             return Eager("no packed metadata (cached_packing off)")
         if self.backend.device_type == "cuda" and run.kernel not in _FUSED_KERNELS:
@@ -414,7 +424,7 @@ class CudaGraphs:
         reserved = gpu_reserved(x.device)
         shared = self._shared.get(bucket)
         if shared is None:
-            shared = self._shared[bucket] = BucketMetadata(bucket, kwargs["nbkit_run"].kernel, x.device)
+            shared = self._shared[bucket] = BucketMetadata(bucket, self.packed, x.device)
         shared.load(x.shape[1], kwargs, rope_key(self._layers[first].module))
         captured: list[GraphedLayer] = []
         attempted: list[int] = []

@@ -10,18 +10,24 @@ host.
 
 Contract: ``BucketMetadata.load`` copies one forward's metadata in (the rows' once per forward, the position
 embeddings once per layer type) and says False when a layer is handed other (cos, sin) than the first layer of its
-type: that call must run eagerly. ``static_kwargs`` gives a layer's keyword arguments for a capture, over the static
-buffers, with a new ``PackedRun`` at each call (so a mask an attention kernel builds on first use is built inside
-the capture).
+type: that call must run eagerly. The forward's metadata is its ``PackedRun``, found through the attached
+``PackedAttention`` (``run_for``: by the forward's ``cu_seq_lens_q``). ``static_kwargs`` gives a layer's keyword
+arguments for a capture, over the static buffers, with a new ``PackedRun`` at each call, remembered by that
+``PackedAttention`` as the run of the static ``cu_seqlens`` (so the attention calls inside the capture find it, and a
+mask an attention kernel builds on first use is built inside the capture). Replays run no Python: only captures and
+eager calls look a run up.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from ..ops.varlen_attention import PackedRun
+
+if TYPE_CHECKING:
+    from .packed_attention import PackedAttention
 
 BUCKETS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 MIN_DOCS, MAX_DOCS = 16, 256  # documents a bucket holds: tokens / 8 within these (its padding document on top)
@@ -45,10 +51,12 @@ def doc_capacity(bucket: int) -> int:
 
 
 class BucketMetadata:
-    """One bucket's static metadata, shared by its layers and refreshed once per forward."""
+    """One bucket's static metadata, shared by its layers and refreshed once per forward. ``packed``: the attached
+    ``PackedAttention`` whose runs it reads (a forward's) and adds to (each capture's)."""
 
-    def __init__(self, bucket: int, kernel: Callable, device: torch.device) -> None:
+    def __init__(self, bucket: int, packed: PackedAttention, device: torch.device) -> None:
         self.bucket = bucket
+        self.packed = packed
         # (cos, sin) per layer type (``rope_key``): gemma3's sliding and full layers are handed other ones
         self.rope: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_given: dict[Any, torch.Tensor] = {}  # this forward's cos per layer type, by identity
@@ -56,14 +64,15 @@ class BucketMetadata:
         slots = doc_capacity(bucket) + 2  # 0, the real documents' ends, the padding's end
         self.cu_q = torch.full((slots,), bucket, dtype=torch.int32, device=device)
         self.cu_k = torch.full((slots,), bucket, dtype=torch.int32, device=device)
-        self.kernel = kernel
         self.grad_out: Optional[torch.Tensor] = None  # (1, bucket, hidden), made with the first layer's graphs
-        self._source: Any = None
+        self._source: Optional[PackedRun] = None  # the run of the forward loaded last (held: its id stays its own)
 
     def load(self, tokens: int, kwargs: dict, key: Any) -> bool:
         """Copy this forward's metadata in: the rows' once per forward, the position embeddings once per layer type.
         False when a layer of an already loaded type is handed other (cos, sin): its call must run eagerly."""
-        run: PackedRun = kwargs["nbkit_run"]
+        run = self.packed.run_for(kwargs)
+        if run is None:
+            raise RuntimeError("nbkit cuda_graphs: a graphed forward without its packed metadata (cached_packing)")
         if self._source is not run:
             self._load_rows(tokens, kwargs, run)
             self._rope_given = {}
@@ -92,7 +101,7 @@ class BucketMetadata:
             n = cu.numel()
             static[:n].copy_(cu)
             static[n:].fill_(self.bucket)  # the padding's end, then zero-length documents
-        self._source = run  # held: a later forward's run cannot reuse its id
+        self._source = run
 
     def _static(self, key: str, like: torch.Tensor) -> torch.Tensor:
         """The bucket-long static twin of a per-token tensor (tokens on its last dimension; the padding reads 0)."""
@@ -102,8 +111,9 @@ class BucketMetadata:
 
     def static_kwargs(self, given: dict, key: Any) -> Callable[[], dict]:
         """The layer's keyword arguments for a capture: the given ones with the static tensors in their place (the
-        position embeddings of its layer type) and a new ``PackedRun`` over the static buffers at each call (its
-        caches are filled inside the capture)."""
+        position embeddings of its layer type), and at each call a new ``PackedRun`` over the static buffers (on the
+        kernel of the forward loaded last), remembered as the static ``cu_seqlens``' run: its caches are filled
+        inside the capture."""
         out = {k: v for k, v in given.items() if k not in DROPPED_KWARGS}
         out["position_embeddings"] = self.rope_slot(key, given["position_embeddings"])
         for key in TOKENWISE_KWARGS:
@@ -113,9 +123,10 @@ class BucketMetadata:
                    max_length_k=self.bucket)
 
         def make() -> dict:
-            run = PackedRun(kernel=self.kernel, cu_q=self.cu_q, cu_k=self.cu_k, max_q=self.bucket, max_k=self.bucket,
-                            host_offsets=None, training=True, tokens=self.bucket)
-            return {**out, "nbkit_run": run}
+            self.packed.remember(PackedRun(kernel=self._source.kernel, cu_q=self.cu_q, cu_k=self.cu_k,
+                                           max_q=self.bucket, max_k=self.bucket, host_offsets=None, training=True,
+                                           tokens=self.bucket))
+            return dict(out)
 
         return make
 

@@ -7,8 +7,10 @@ too), its modules and every module-level function exactly as found, and is safe 
 
 What a speedup may touch is written here once: every change to an object it does not own goes through its
 ``PatchLedger`` (an attribute set, a hook added, a setting switched), and ``detach`` undoes the ledger in reverse
-order. The one global act outside the ledger is registering a function with transformers under the name
-``"nbkit"`` (``AttentionInterface``, ``ExpertsInterface``), which is idempotent and changes nothing that exists.
+order. The one global act is registering a function with transformers under the name ``"nbkit"``: the experts'
+(``ExpertsInterface``) outside the ledger, idempotent, changing nothing that exists; the attention's
+(``AttentionInterface``), over the attached ``PackedAttention``'s runs, through its ledger, so that ``detach`` puts
+back what the registry held before.
 ``tests/test_speedup_contract.py`` holds every speedup in ``nbkit.speedups.SPEEDUPS`` to this.
 """
 

@@ -15,10 +15,20 @@ Contract:
   ``trainer.data_collator`` stays TRL's. The trainer moves the tensors to the device with the batch; nothing is
   rebuilt later.
 - ``PackedAttention`` (a speedup, see ``nbkit.speedups.ledger``) switches one model to the ``"nbkit"`` attention
-  implementation and installs a forward pre-hook on its decoder that hands every layer the same per-forward
-  ``PackedRun`` (metadata + the kernel chosen at attach). If a forward arrives without collated metadata, the hook
+  implementation and installs a forward pre-hook on its decoder that makes one ``PackedRun`` per forward (metadata +
+  the kernel chosen at attach) for every layer to share. If a forward arrives without collated metadata, the hook
   derives it once for that forward (counted in ``metadata_builds``); a forward with a padding mask or a KV cache
   (generation) runs on the model's original attention implementation for that call, so nothing is silently wrong.
+- How a layer finds its forward's run: by what transformers hands every attention call anyway, the forward's
+  ``cu_seq_lens_q`` tensor. The owner keeps a table from that tensor (by identity, the tensor held so its id stays
+  its own) to its run: the latest decoder forward's (kept until the next forward replaces it, so a checkpointed
+  layer recomputed in that forward's backward finds it) and the runs other code made over tensors of its own
+  (``remember``: a CUDA graph capture's, over a bucket's static buffers). ``run_for(kwargs)`` looks one up.
+- ``"nbkit"`` is registered with transformers' ``AttentionInterface`` at attach, as ``attend`` over the attached
+  owner's runs, and put back at detach to what the registry held before (the unattached ``nbkit_attention_forward``,
+  which raises, where it held nothing: transformers has no public way to unregister). A call whose
+  ``cu_seq_lens_q`` the owner has no run for goes to that earlier entry: another owner's (attached before), or the
+  unattached function, so a call without an attached owner or without a run it knows raises.
 - ``"nbkit"`` is deliberately not registered as a mask function: transformers then builds no mask at all.
 
 Kernels, chosen once at attach: ``flash_attn`` (flash-attn's varlen kernel, if installed), ``varlen``
@@ -33,8 +43,9 @@ Kernels live in ``nbkit.ops.varlen_attention``; this module wires them into tran
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from transformers import AttentionInterface
@@ -156,12 +167,23 @@ def choose_kernel(requested: str, config: Any, device: torch.device) -> tuple[st
     return "sdpa", None
 
 
-def nbkit_attention_forward(
+def nbkit_attention_forward(module: torch.nn.Module, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """What ``"nbkit"`` names where no attached ``PackedAttention`` knows the call's ``cu_seq_lens_q``: it raises."""
+    raise RuntimeError(
+        "the 'nbkit' attention was called without nbkit's per-forward metadata: no attached PackedAttention made a "
+        "run for this call's cu_seq_lens_q. Attach nbkit.speedups.packed_attention.PackedAttention (FastSFT does "
+        "this) instead of setting attn_implementation by hand; a checkpointed layer recomputed after a later forward "
+        "ran finds none either (run each forward's backward before the next forward)"
+    )
+
+
+def attend(
+    run: PackedRun,
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    attention_mask: torch.Tensor | None = None,
     dropout: float = 0.0,
     scaling: float | None = None,
     sliding_window: int | None = None,
@@ -169,16 +191,8 @@ def nbkit_attention_forward(
     s_aux: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention interface: (B, H, S, D) inputs, (B, S, H, D) output, no attention weights.
-
-    The B rows are laid end to end; the per-forward ``PackedRun`` (kwarg ``nbkit_run``) says where documents start.
-    """
-    run: PackedRun | None = kwargs.get("nbkit_run")
-    if run is None:
-        raise RuntimeError(
-            "the 'nbkit' attention was called without nbkit's per-forward metadata: attach it with "
-            "nbkit.speedups.packed_attention.PackedAttention (FastSFT does this) instead of setting attn_implementation by hand"
-        )
+    """transformers' attention interface over one forward's ``run``: (B, H, S, D) inputs, (B, S, H, D) output, no
+    attention weights. The B rows are laid end to end; ``run`` says where documents start (no mask is read)."""
     bsz, _, seq, _ = query.shape
     q = query.transpose(1, 2).reshape(bsz * seq, query.shape[1], query.shape[3])
     k = key.transpose(1, 2).reshape(bsz * seq, key.shape[1], key.shape[3])
@@ -198,11 +212,6 @@ def nbkit_attention_forward(
     return out.reshape(bsz, seq, out.shape[1], out.shape[2]), None
 
 
-def register_attention() -> None:
-    """Register ``"nbkit"`` with transformers' AttentionInterface (idempotent; the only global act)."""
-    AttentionInterface.register(ATTN_NAME, nbkit_attention_forward)
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # The speedup
 # --------------------------------------------------------------------------------------------------------------------
@@ -213,7 +222,11 @@ SUPPORTED_FAMILIES = {
 
 
 class PackedAttention:
-    """Switches one model to the ``"nbkit"`` attention for the duration of training (see module docstring)."""
+    """Switches one model to the ``"nbkit"`` attention for the duration of training (see module docstring).
+
+    Other code finds a forward's ``PackedRun`` here: ``run_for(kwargs)`` (the keyword arguments a decoder layer or an
+    attention call is handed), and adds runs it makes itself with ``remember(run)``.
+    """
 
     name = "cached_packing"
 
@@ -228,6 +241,9 @@ class PackedAttention:
         self._config = None
         self._original_impl: str | None = None
         self._flex_fn = None
+        # id(cu_seq_lens_q) -> (that tensor, its run): the tensor held, so that no other tensor takes its id
+        self._runs: dict[int, tuple[torch.Tensor, PackedRun]] = {}
+        self._forward_key: int | None = None  # the latest decoder forward's entry, replaced by the next forward's
         self._ledger = PatchLedger(self.name)
 
     # -- attach / detach -------------------------------------------------------------------------------------------
@@ -253,7 +269,7 @@ class PackedAttention:
             from torch.nn.attention.flex_attention import flex_attention
 
             self._flex_fn = torch.compile(flex_attention, dynamic=True) if device.type == "cuda" else flex_attention
-        register_attention()
+        self._register()
         self._model, self._config = base, config
         self._original_impl = original = config._attn_implementation
         base.set_attn_implementation(ATTN_NAME)
@@ -268,6 +284,49 @@ class PackedAttention:
         self._model = self._config = None
         self._original_impl = None
         self._flex_fn = None
+        self._runs, self._forward_key = {}, None
+
+    def _register(self) -> None:
+        """``"nbkit"`` in transformers' registry: ``attend`` over this owner's runs. A call whose ``cu_seq_lens_q``
+        it has no run for goes to what the registry held before (another owner attached earlier, or the unattached
+        function, which raises). The owner is held weakly: one never detached (an exception mid-attach) does not keep
+        its model alive through the registry. At undo, the registry holds what it held before, unless something
+        else has been registered since."""
+        previous = AttentionInterface().get(ATTN_NAME, nbkit_attention_forward)
+        owner = weakref.ref(self)
+
+        def attention(module: torch.nn.Module, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            found = owner()
+            run = found.run_for(kwargs) if found is not None else None
+            if run is None:
+                return previous(module, query, *args, **kwargs)
+            return attend(run, module, query, *args, **kwargs)
+
+        AttentionInterface.register(ATTN_NAME, attention)
+
+        def restore() -> None:
+            if AttentionInterface().get(ATTN_NAME) is attention:
+                AttentionInterface.register(ATTN_NAME, previous)
+            else:
+                logger.warning("nbkit %s: the %r attention was registered again by someone else; left as it is",
+                               self.name, ATTN_NAME)
+
+        self._ledger.call(f"AttentionInterface[{ATTN_NAME!r}]", restore)
+
+    # -- the runs --------------------------------------------------------------------------------------------------
+    def run_for(self, kwargs: Mapping[str, Any]) -> PackedRun | None:
+        """The ``PackedRun`` of the forward whose keyword arguments these are (found by their ``cu_seq_lens_q``
+        tensor, by identity), or None: no such tensor, or one this owner has no run for (not attached, a forward on
+        the plain path, a tensor of another forward)."""
+        cu = kwargs.get("cu_seq_lens_q")
+        entry = self._runs.get(id(cu)) if isinstance(cu, torch.Tensor) else None
+        return entry[1] if entry is not None and entry[0] is cu else None
+
+    def remember(self, run: PackedRun) -> None:
+        """Let ``run`` be found by its ``cu_q`` tensor (a run made outside a decoder forward: a graph capture's, over
+        a bucket's static buffers). It replaces an earlier run over the same tensor and is kept until then or
+        ``detach``."""
+        self._runs[id(run.cu_q)] = (run.cu_q, run)
 
     @staticmethod
     def _find_decoder(base: torch.nn.Module) -> torch.nn.Module | None:
@@ -315,7 +374,7 @@ class PackedAttention:
             self.metadata_builds += 1
             kwargs.update(meta)
         host = kwargs.get("nbkit_cu_seqlens_host")
-        kwargs["nbkit_run"] = PackedRun(
+        run = PackedRun(
             kernel=KERNEL_FNS[self.kernel],
             cu_q=kwargs["cu_seq_lens_q"],
             cu_k=kwargs["cu_seq_lens_k"],
@@ -325,6 +384,12 @@ class PackedAttention:
             training=module.training,
             flex_fn=self._flex_fn,
         )
+        # this forward's run replaces the previous forward's: a checkpointed layer's recompute in this forward's
+        # backward (which comes before the next forward) finds it, and no forward ever reads another's
+        if self._forward_key is not None:
+            self._runs.pop(self._forward_key, None)
+        self.remember(run)
+        self._forward_key = id(run.cu_q)
         return args, kwargs
 
     def _host_offsets(self, cu: torch.Tensor) -> tuple[int, ...] | None:

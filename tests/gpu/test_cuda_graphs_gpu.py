@@ -119,12 +119,16 @@ def _lora_model() -> torch.nn.Module:
 
 def _rows_trained(model: torch.nn.Module, rows: list[list[int]], graphs: Any, seed_of: Callable[[int], int]) -> list:
     """Forward and backward of each packed row (documents of ``lengths``) with varlen attention and fused LoRA, and
-    ``graphs`` (a ``CudaGraphs``) when given: each row's loss and LoRA gradients."""
+    ``graphs`` (a ``CudaGraphs``, handed the packed attention whose runs it reads) when given: each row's loss and
+    LoRA gradients."""
     from nbkit.ops.packed_boundaries import metadata_from_lengths
     from nbkit.speedups.fused_lora import FusedLoRA
     from nbkit.speedups.packed_attention import PackedAttention
 
-    speedups = [PackedAttention(kernel="varlen"), FusedLoRA()] + ([graphs] if graphs is not None else [])
+    packed = PackedAttention(kernel="varlen")
+    if graphs is not None:
+        graphs.packed = packed
+    speedups = [packed, FusedLoRA()] + ([graphs] if graphs is not None else [])
     for s in speedups:
         assert s.attach(model)
     out = []
