@@ -121,9 +121,14 @@ def _runner_model() -> torch.nn.Module:
     checkpointed layers to keep or offload, fused 4-bit bases to keep dequantized, packed rows to replay as graphs).
     Those two are part of the model as found: the contract is the runner's."""
     model = _gc(_four_bit_lora())
-    for speedup in (PackedAttention(kernel="sdpa"), FusedLoRA()):
+    packed = PackedAttention(kernel="sdpa")
+    for speedup in (packed, FusedLoRA()):
         assert speedup.attach(model)
+    _PACKED[id(model)] = packed  # the graphs mode reads its per-forward runs (FastSFT's build() hands it over)
     return model
+
+
+_PACKED: dict[int, PackedAttention] = {}
 
 
 def _all_modes() -> LayerRunner:
@@ -135,6 +140,7 @@ def _all_modes() -> LayerRunner:
 def _train_runner(model: torch.nn.Module, runner: LayerRunner) -> None:
     """As FastSFT drives it: training begins, step 1 (every layer checkpointed and offloaded), the first look at the
     2nd forward, an optimizer step, the second look at the next."""
+    runner.graphs.packed = _PACKED.pop(id(model))
     assert runner.begin_training(model)
     meta = metadata_from_lengths([20, 12])
     ids = torch.randint(0, VOCAB, (1, 32), generator=torch.Generator().manual_seed(0))
