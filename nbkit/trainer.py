@@ -89,6 +89,11 @@ class FastSFT(ReliableTraining, SFTTrainer):
     the FLOPs estimate transformers logs takes the model's parameter count once per run (``step_flops``), and the
     step's gradient clip and ``zero_grad`` walk the trainable parameters only (``step_walks``).
 
+    The decoder layers' switches (``selective_checkpointing``, ``offload_checkpointing``, ``cuda_graphs``,
+    ``tiled_mlp``, ``dequant_cache``) are modes of one ``LayerRunner`` (``speedups.layer_runner``), the only nbkit
+    wrapper on a layer: one plan per layer from one memory budget, said in one line; ``nbkit_layer_stats`` keeps
+    the last run's plan and the modes' counters.
+
     What wraps a run is written once, in ``train``: see ``_nbkit_run``. What the run takes was decided when it was
     built: ``nbkit_path`` (a ``fast_path.FastPath``); ``nbkit_collator`` is the packed collator its own data loaders
     use (None where ``cached_packing`` does not apply), ``data_collator`` TRL's.
@@ -220,7 +225,8 @@ class FastSFT(ReliableTraining, SFTTrainer):
     def _nbkit_run(self) -> Iterator[None]:
         """Everything that wraps a ``train()`` or ``evaluate()`` call, outermost first:
 
-        1. ``nbkit_speedups``: the speedups, model stage and trainer stage now, train stage when training begins;
+        1. ``nbkit_speedups``: the speedups, model stage and trainer stage (the layer runner takes over the
+           checkpointed layers when training begins);
         2. ``_trl_router_setting``: TRL's MoE ``output_router_logits`` instead of the user's;
         3. inside ``train`` only, ``ReliableTraining.nbkit_reliably``: out-of-memory errors explained, the skipped
            and masked batches summed up (its per-step checks are ``training_step``'s).
