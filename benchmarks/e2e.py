@@ -264,12 +264,12 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
             torch.cuda.synchronize()
         train_s = time.perf_counter() - t_train
     peak = peak_memory()
-    extra = {"speedups": getattr(trainer, "nbkit_attached", [])}
+    # the layer plan and graph counters ride along with every row: a row's plan is half of what explains its speed
+    extra = {"speedups": getattr(trainer, "nbkit_attached", []), **unsloth_recipe.capture_stats(trainer)}
     if recipe:
         row = unsloth_recipe.recipe_row(
             spec, timer.times, train_s, t_train - t0, peak, args.warmup,
-            {**extra, "optim": str(getattr(config.optim, "value", config.optim)), **unsloth_recipe.batching(trainer),
-             **unsloth_recipe.capture_stats(trainer)})
+            {**extra, "optim": str(getattr(config.optim, "value", config.optim)), **unsloth_recipe.batching(trainer)})
     else:
         row = summarize(spec, timer.times, args.warmup, peak, dict(extra, train_s=train_s))
     if timer.times.first_step_s is not None:  # from trainer construction: what a user waits for after loading

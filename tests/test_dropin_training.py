@@ -290,3 +290,39 @@ def test_fastsft_takes_trls_own_config_classes(one_thread, tmp_path, config):
     plain, fast = both(tmp_path, config_cls=config_cls, base=base, **settings)
     assert_trains(plain)
     assert_same_outcome(plain, fast)
+
+
+class CheckpointingSeen(TrainerCallback):
+    """What a callback reads of the model's gradient checkpointing during ``train()``: the layers' flags at each step
+    end, and whether nbkit's layer runner had taken over a layer then (the test could not fail without it)."""
+
+    def __init__(self) -> None:
+        self.flags: list[tuple[bool, ...]] = []
+        self.taken: list[bool] = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        from nbkit.speedups.layer_runner import run_as_is
+
+        layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing") and hasattr(m, "self_attn")]
+        self.flags.append(tuple(bool(m.gradient_checkpointing) for m in layers))
+        self.taken.append(any(getattr(m, "_gradient_checkpointing_func", None) is run_as_is for m in layers))
+
+
+def test_gradient_checkpointing_reads_as_on_during_training_alike(one_thread, tmp_path):
+    """``model.is_gradient_checkpointing`` (any layer's flag) read inside a callback during ``train()``: on for both,
+    while FastSFT's layer runner has taken the checkpointed layers over; and on again after."""
+    seen = []
+
+    def extra(tok):
+        seen.append(CheckpointingSeen())
+        return {"callbacks": [seen[-1]]}
+
+    plain, fast = both(tmp_path, extra=extra, gradient_checkpointing=True)
+    assert_trains(plain)
+    assert_same_outcome(plain, fast)
+    want, got = seen
+    assert want.flags and all(all(f) for f in want.flags) and not any(want.taken)
+    assert got.flags == want.flags
+    assert all(got.taken), "the layer runner never took the checkpointed layers over: the test proves nothing"
+    layers = [m for m in fast.trainer.model.modules() if hasattr(m, "gradient_checkpointing") and hasattr(m, "self_attn")]
+    assert layers and all(m.gradient_checkpointing for m in layers)

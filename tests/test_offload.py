@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nbkit.ops.offload_lanes import _HostPool, _Lane, slot_bytes
 from nbkit.speedups.layer_plan import KEPT, OFFLOADED
-from nbkit.speedups.layer_runner import LayerRunner
+from nbkit.speedups.layer_runner import LayerRunner, run_as_is
 from nbkit.speedups.offload import OffloadedCheckpointing
 from nbkit.trl_seam import GradientCheckpointingLayer
 
@@ -196,7 +196,9 @@ def test_every_n_layers():
     runner = oc._runner
     checkpointed = [layer.checkpointed for layer in runner.layers]
     assert checkpointed == [True, False, True, False]  # taken over as the user asked
-    assert layer_funcs(model) == [f for f, *_ in before]  # the user's checkpoint functions, called by the runner
+    # the user's checkpoint functions, called by the runner; transformers calls run_as_is for the layers taken over
+    assert [layer.checkpoint for layer in runner.layers if layer.checkpointed] == [before[0][0], before[2][0]]
+    assert layer_funcs(model) == [run_as_is if c else f for c, (f, *_) in zip(checkpointed, before)]
     _mark_backward(model, oc.trace)
     assert_same(ref, step(model))
     assert [p.activations == OFFLOADED for p in runner.plans] == checkpointed  # exactly the checkpointed layers
@@ -245,7 +247,7 @@ def test_detach_restores_and_frees(gc_model):
     ref = step(gc_model)
     oc = OffloadedCheckpointing(mode=True)
     oc.attach(gc_model)
-    assert [state[1:] for state in layer_state(gc_model)] == [(False, True, True)] * LAYERS  # the runner's now
+    assert layer_state(gc_model) == [(run_as_is, True, True, True)] * LAYERS  # the runner's now; flags stay on
     step(gc_model)
     assert oc.stats.host_bytes > 0
     oc.detach()

@@ -23,7 +23,7 @@ from nbkit.speedups import LAYERS as RUNNER
 from nbkit.speedups import build, layer_budget, max_micro_batch_tokens
 from nbkit.speedups.layer_budget import MARGIN, SHARE
 from nbkit.speedups.layer_plan import CHECKPOINTED, KEPT, MLP_RECOMPUTED, OFFLOADED
-from nbkit.speedups.layer_runner import LayerRunner
+from nbkit.speedups.layer_runner import LayerRunner, run_as_is
 from nbkit.speedups.offload import OffloadedCheckpointing
 from nbkit.speedups.selective_checkpointing import SelectiveCheckpointing
 
@@ -175,7 +175,9 @@ def test_the_last_layers_that_fit_are_the_ones_kept(one_thread, monkeypatch, ree
     speedup = SelectiveCheckpointing(mode=True, max_tokens=64)
     monkeypatch.setattr(layer_budget, "memory_readings", looks(lambda: speedup.runner, lambda c: whole(c, 2, 3)))
     assert speedup.attach(model)
-    assert [layer.gradient_checkpointing for layer in layers_of(model)] == [False] * LAYERS  # the runner's now
+    # the runner's now: the flags stay on, as under SFTTrainer; the function transformers calls runs the layer as is
+    assert [layer.gradient_checkpointing for layer in layers_of(model)] == [True] * LAYERS
+    assert [layer._gradient_checkpointing_func for layer in layers_of(model)] == [run_as_is] * LAYERS
     assert_same_run(_steps(model), plain)
     runner = speedup.runner
     assert speedup.kept == 2 and speedup.engaged and runner.kept == 2
@@ -215,8 +217,9 @@ def test_detach_puts_every_flag_and_function_back_and_is_safe_twice(one_thread):
     speedup = SelectiveCheckpointing(mode=True, max_tokens=64)
     assert speedup.attach(model)
     _steps(model, 2)
-    assert [layer.gradient_checkpointing for layer in layers] == [False] * LAYERS
-    assert any("gradient_checkpointing" in d for d in differences(before, snapshot(model)))
+    assert [layer.gradient_checkpointing for layer in layers] == [True] * LAYERS
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())  # is_gradient_checkpointing
+    assert any("_gradient_checkpointing_func" in d for d in differences(before, snapshot(model)))
     speedup.detach()
     assert differences(before, snapshot(model)) == []
     assert [layer.gradient_checkpointing for layer in layers] == [True] * LAYERS

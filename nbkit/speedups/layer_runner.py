@@ -19,9 +19,12 @@ How a run goes:
   ``forward`` become the runner's, through the ledger. Outside training they call the layer's own (the MLP tiled
   where the ``tiled`` mode says).
 - ``begin_training()`` (when training begins: transformers has enabled gradient checkpointing by then): the layers
-  checkpointed as the user asked are taken over, their flag off through the ledger and their checkpoint function
-  (the user's, with its arguments) called by the runner. Step 1's plan is what the user asked: checkpointed layers
-  checkpointed (offloaded where the offload mode engages at the first call), the others kept (and graphed).
+  checkpointed as the user asked are taken over. Their flag stays on (``model.is_gradient_checkpointing`` reads as
+  under ``SFTTrainer``, and transformers still drops a cache argument as it does for a checkpointed layer); the
+  function transformers calls with it becomes ``run_as_is`` through the ledger, and the runner calls the user's
+  checkpoint function (with its arguments) itself, for the layers its plan checkpoints. Step 1's plan is what the
+  user asked: checkpointed layers checkpointed (offloaded where the offload mode engages at the first call), the
+  others kept (and graphed).
 - Step 1 measures, in each checkpointed layer's recompute, what it saves for backward (a ``saved_tensors_hooks``
   pack hook chained before checkpoint's own, counting distinct storages that are not parameters; the MLP's share
   apart): what it would keep un-checkpointed, measured where it is held anyway, no value changed.
@@ -33,7 +36,7 @@ How a run goes:
   A hand-written loop gets the first look only.
 
 Contract: the same losses and gradients as the user's checkpointing (a kept layer's saved tensors are the ones the
-recompute would have made); ``detach()`` puts every forward, flag and kept copy back and is safe twice.
+recompute would have made); ``detach()`` puts every forward, function and kept copy back and is safe twice.
 """
 
 from __future__ import annotations
@@ -54,6 +57,12 @@ from .layer_plan import CHECKPOINTED, KEPT, MLP_RECOMPUTED, OFFLOADED, Allowed, 
 from .ledger import PatchLedger
 
 logger = logging.getLogger(__name__)
+
+def run_as_is(function: Callable, *args: Any, **kwargs: Any) -> Any:
+    """What transformers calls, instead of the user's checkpoint function, for a layer the runner took over: the
+    layer's forward as it is. The runner is inside it and checkpoints the layer itself where its plan says so."""
+    return function(*args, **kwargs)
+
 
 _UNSIZED = 1 << 62  # the cost of keeping a layer nothing measured: more than any budget
 FFN_NAMES = ("mlp", "feed_forward", "block_sparse_moe")  # a decoder layer's feed-forward submodule, by family
@@ -239,7 +248,7 @@ class LayerRunner:
                 getattr(m, "_gradient_checkpointing_func", None))
             if layer.checkpointed:
                 layer.checkpoint = m._gradient_checkpointing_func
-                self._ledger.set(m, "gradient_checkpointing", False)
+                self._ledger.set(m, "_gradient_checkpointing_func", run_as_is)
         checkpointed = [layer for layer in self.layers if layer.checkpointed]
         if self.offload is not None and not self.offload.take(self, checkpointed):
             self._drop(self.offload)
