@@ -254,7 +254,9 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
         for param in trainer.model.parameters():
             if param.requires_grad and param.dtype == torch.bfloat16:
                 param.data = param.data.float()
-    ranges = module_ranges(trainer.model) if profile else contextlib.nullcontext()
+    # a graphed path keeps its layers whole in the profile: a hook inside one would make it run eagerly
+    graphed = torch.cuda.is_available() and getattr(trainer.args, "cuda_graphs", False) not in (False, None)
+    ranges = module_ranges(trainer.model, inside_layers=not graphed) if profile else contextlib.nullcontext()
     with ranges:
         if torch.cuda.is_available():
             torch.cuda.synchronize()

@@ -42,28 +42,44 @@ class Profiled:
 
 
 @contextlib.contextmanager
-def module_ranges(model: torch.nn.Module):
-    """Name each decoder submodule's forward (by type) in the profile: ``fwd:<attr>`` ranges around its calls."""
+def module_ranges(model: torch.nn.Module, inside_layers: bool = True):
+    """Name each decoder submodule's forward (by type) in the profile: ``fwd:<attr>`` ranges around its calls.
+
+    ``inside_layers=False``: no hook inside a decoder layer, one ``fwd:layer`` range around each layer instead. A
+    hook inside a layer makes ``cuda_graphs`` run that layer eagerly (a graph would run the hook once, at its
+    capture), so a profile of a graphed path must not split its layers, or it profiles another path than the one
+    timed. The post hook runs even when the forward raises, so a range is never left open."""
     from torch.autograd.profiler import record_function
+
+    from nbkit.model_parts import decoder_layers
 
     handles, stack = [], []
     wanted = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "rotary_emb",
               "embed_tokens", "norm"}
+    layers = decoder_layers(model) or []
+    inside = set() if inside_layers else {id(m) for layer in layers for m in layer.modules() if m is not layer}
+    outer = set() if inside_layers else {id(layer) for layer in layers}
     for name, mod in model.named_modules():
         attr = name.rsplit(".", 1)[-1]
-        if attr in wanted or attr.endswith("_proj") and "lora" not in name and name.count("base_layer") == 0:
+        if id(mod) in outer:
+            label = "fwd:layer"
+        elif id(mod) in inside:
+            continue
+        elif attr in wanted or attr.endswith("_proj") and "lora" not in name and name.count("base_layer") == 0:
             label = f"fwd:{attr}"
+        else:
+            continue
 
-            def pre(m, a, label=label):
-                r = record_function(label)
-                r.__enter__()
-                stack.append(r)
+        def pre(m, a, label=label):
+            r = record_function(label)
+            r.__enter__()
+            stack.append(r)
 
-            def post(m, a, o):
-                if stack:
-                    stack.pop().__exit__(None, None, None)
+        def post(m, a, o):
+            if stack:
+                stack.pop().__exit__(None, None, None)
 
-            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+        handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post, always_call=True)]
     try:
         yield
     finally:
