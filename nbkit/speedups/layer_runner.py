@@ -58,6 +58,7 @@ from .ledger import PatchLedger
 
 logger = logging.getLogger(__name__)
 
+
 def run_as_is(function: Callable, *args: Any, **kwargs: Any) -> Any:
     """What transformers calls, instead of the user's checkpoint function, for a layer the runner took over: the
     layer's forward as it is. The runner is inside it and checkpoints the layer itself where its plan says so."""
