@@ -320,7 +320,7 @@ def test_demo_report_ends_with_next_steps_that_the_clis_and_load_model_take(tmp_
     adapter = tmp_path / "my out" / "adapter"
     lines = next_steps(str(adapter))
     text = "\n".join(lines)
-    assert f"load_model({str(adapter)!r})" in text and "chat(model, tokenizer, " in text
+    assert f"load_model({json.dumps(str(adapter))})" in text and "chat(model, tokenizer, " in text
     export = next(line.strip() for line in lines if "python -m nbkit export" in line)
     args = parse_export(shlex.split(export)[4:])
     assert Path(args.source) == adapter and args.to == "gguf" and args.quant == "q8_0"

@@ -386,7 +386,7 @@ def next_steps(adapter_dir: str, fastsft: bool = True) -> list[str]:
         "next:",
         "  chat with it (Python):",
         "    from nbkit import load_model; from nbkit.chat import chat",
-        f"    model, tokenizer = load_model({str(adapter_dir)!r})  # its base, with the adapter on it",
+        f"    model, tokenizer = load_model({json.dumps(str(adapter_dir))})  # its base, with the adapter on it",
         '    chat(model, tokenizer, "Reverse the words: red fox moon")',
         "  a GGUF for llama.cpp / Ollama (and a Modelfile beside it):",
         f"    python -m nbkit export {shlex.quote(str(adapter_dir))} --to gguf --quant q8_0 "
