@@ -308,3 +308,23 @@ def test_demo_answers_reach_decode_steps_on_a_moe_model_left_in_trls_training_st
     answers = generate_answers(model, tok, questions, max_new_tokens=4, min_new_tokens=4)
     assert len(answers) == 2
     assert model.config.output_router_logits is True  # the caller's config is left as it was
+
+
+def test_demo_report_ends_with_next_steps_that_the_clis_and_load_model_take(tmp_path):
+    """After the numbers, the demo says how to chat with the adapter and export it: commands that parse as given."""
+    import shlex
+
+    from nbkit.demo.run import next_steps, parse_args
+    from nbkit.export.cli import parse as parse_export
+
+    adapter = tmp_path / "my out" / "adapter"
+    lines = next_steps(str(adapter))
+    text = "\n".join(lines)
+    assert f"load_model({json.dumps(str(adapter))})" in text and "chat(model, tokenizer, " in text
+    export = next(line.strip() for line in lines if "python -m nbkit export" in line)
+    args = parse_export(shlex.split(export)[4:])
+    assert Path(args.source) == adapter and args.to == "gguf" and args.quant == "q8_0"
+    assert Path(args.out).parent == adapter.parent
+    baseline = next(line for line in lines if "--baseline" in line).split(": ", 1)[1]
+    assert parse_args(shlex.split(baseline)[4:]).baseline
+    assert not any("--baseline" in line for line in next_steps(str(adapter), fastsft=False))

@@ -125,8 +125,11 @@ def test_push_names_an_unreachable_hub(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
     (tmp_path / "f.txt").write_text("x")
-    with pytest.raises(HubOfflineError, match="127.0.0.1 is not reachable"):
+    with pytest.raises(HubOfflineError, match="127.0.0.1 is not reachable") as error:
         push_to_hub(tmp_path / "f.txt", "me/repo")
+    # the commands it names are huggingface_hub's current CLI (`huggingface-cli` is gone from it)
+    assert "huggingface-cli" not in str(error.value)
+    assert f"`hf upload --private me/repo {tmp_path / 'f.txt'}`" in str(error.value) and "`hf auth login`" in str(error.value)
     with pytest.raises(FileNotFoundError):
         push_to_hub(tmp_path / "missing", "me/repo")
 

@@ -192,3 +192,18 @@ def test_the_pre_tokenizer_probe_says_nothing_about_a_short_model_max_length(cap
     pre_tokenizer_name(tokenizer, json.loads(tokenizer.backend_tokenizer.to_str()))
     captured = capfd.readouterr()
     assert "Token indices sequence length" not in captured.out + captured.err
+
+
+def test_a_path_that_is_not_a_model_folder_is_refused_saying_what_to_pass(tmp_path):
+    """An adapter folder (what ``trainer.save_model`` writes) is named as one, with the merge to run first; a missing
+    or empty folder is named as such, not looked up on the Hub."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="is a saved adapter, not a model folder") as error:
+        export_gguf(adapter, tmp_path / "x.gguf")
+    assert "merge_folder(" in str(error.value) and "python -m nbkit export" in str(error.value)
+    for missing in (tmp_path / "nope", tmp_path / "out" / "mergd"):
+        with pytest.raises(FileNotFoundError, match="holds no config.json"):
+            export_gguf(missing, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()

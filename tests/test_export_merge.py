@@ -62,6 +62,7 @@ def test_a_4bit_run_merges_into_the_original_weights(tmp_path, tok, one_thread):
     assert report.check.ok and report.check.rel <= MERGE_TOLERANCE and report.floor.rel == 0
     # the trained model computes with NF4 weights: further from the merged model than the merge's own error
     assert report.vs_trained.rel > 10 * report.check.rel
+    assert "rounded to 4 bits" in report.vs_trained.what  # the gap is named as the NF4 rounding, not a failure
     config = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert "quantization_config" not in config
     assert (tmp_path / "merged" / "chat_template.jinja").is_file()
@@ -77,6 +78,7 @@ def test_without_the_base_it_merges_into_the_dequantized_weights_and_says_so(tmp
     assert report.base_weights.startswith("dequantized 4-bit weights") and "dequantized" in caplog.text
     assert report.check.ok
     assert report.vs_trained.rel < 1e-3  # the same weights the 4-bit layers compute with
+    assert "rounded to 4 bits" not in report.vs_trained.what
 
 
 def test_a_demo_style_adapter_folder_with_full_embeddings_merges(tmp_path, tok, one_thread):

@@ -43,6 +43,7 @@ import argparse
 import json
 import logging
 import math
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -372,6 +373,29 @@ def _report(m: dict[str, Any]) -> None:
         print(f"     before:   {sample['before']!r}")
         print(f"     after:    {sample['after']!r}")
     print(f"\nadapter saved to {m['adapter_dir']}")
+    for line in next_steps(m["adapter_dir"], m["trainer"] == "FastSFT"):
+        print(line)
+
+
+def next_steps(adapter_dir: str, fastsft: bool = True) -> list[str]:
+    """What a newcomer can do with the demo's adapter, as lines to paste: chat with it, export it to GGUF, and
+    (after a FastSFT run) the same training on plain TRL. Every command is one the README documents."""
+    gguf = Path(adapter_dir).parent / "model-q8_0.gguf"
+    lines = [
+        "",
+        "next:",
+        "  chat with it (Python):",
+        "    from nbkit import load_model; from nbkit.chat import chat",
+        f"    model, tokenizer = load_model({json.dumps(str(adapter_dir))})  # its base, with the adapter on it",
+        '    chat(model, tokenizer, "Reverse the words: red fox moon")',
+        "  a GGUF for llama.cpp / Ollama (and a Modelfile beside it):",
+        f"    python -m nbkit export {shlex.quote(str(adapter_dir))} --to gguf --quant q8_0 "
+        f"--out {shlex.quote(str(gguf))}",
+    ]
+    if fastsft:
+        lines += ["  the same run on TRL's plain SFTTrainer, to compare: python -m nbkit demo --baseline "
+                  "--output-dir nbkit-demo-baseline"]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -224,6 +224,22 @@ def _quantize(data: np.ndarray, qtype: Any) -> tuple[np.ndarray, Any, bool]:
         return gguf.quants.quantize(data, f16), f16, True
 
 
+def _require_model_folder(model_dir: Path) -> None:
+    """Refuse, saying what to do, what is not a model folder: a saved adapter (merged first; the CLI does both) or a
+    path with neither file, which transformers would otherwise look up on the Hub and fail on with a network error
+    or a missing ``model_type``."""
+    if (model_dir / "config.json").is_file():
+        return
+    if (model_dir / "adapter_config.json").is_file():
+        raise ValueError(
+            f"{model_dir} is a saved adapter, not a model folder: merge it into its base first, "
+            f"nbkit.export.merge_folder({str(model_dir)!r}, 'merged') (or save_merged(model, tokenizer, 'merged') on "
+            f"the model in memory), then export 'merged'; or, in one go, `python -m nbkit export {model_dir} --to gguf "
+            "--out model.gguf`")
+    raise FileNotFoundError(f"{model_dir} holds no config.json: export_gguf takes a model folder with its weights "
+                            "and tokenizer, as save_merged or save_pretrained write it")
+
+
 def export_gguf(model_dir: str | Path, out_path: str | Path, *, quant: str = "f16", check_logits: bool = True,
                 check_prompts: Sequence[str] | None = None, modelfile: bool = True, name: str | None = None,
                 tokenizer: Any = None) -> GgufReport:
@@ -236,6 +252,7 @@ def export_gguf(model_dir: str | Path, out_path: str | Path, *, quant: str = "f1
         raise ValueError(f"quant {quant!r}: choose one of {', '.join(QUANT_TYPES)} (other K mixes and i-quants "
                          "need llama.cpp's llama-quantize, run on the f16 file this writes)")
     model_dir, out_path = Path(model_dir), Path(out_path)
+    _require_model_folder(model_dir)
     config = AutoConfig.from_pretrained(str(model_dir))
     family = family_of(config)
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model_dir))

@@ -45,8 +45,8 @@ def push_to_hub(path: str | Path, repo_id: str, token: str | None = None, privat
     if why:
         raise HubOfflineError(
             f"cannot upload {path} to {repo_id}: {why}. The exported files are complete in {path}; upload them "
-            "later with nbkit.export.push.push_to_hub (or `huggingface-cli upload`) from a machine that is online, "
-            "after unsetting HF_HUB_OFFLINE and logging in (`huggingface-cli login` or HF_TOKEN)."
+            f"later from a machine that is online, logged in (`hf auth login` or HF_TOKEN) and without "
+            f"HF_HUB_OFFLINE set: nbkit.export.push_to_hub, or `hf upload --private {repo_id} {path}`."
         )
     from huggingface_hub import HfApi
 
