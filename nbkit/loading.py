@@ -81,7 +81,7 @@ def _not_found(name: str, what: str, error: BaseException) -> ModelNotFoundError
     else:
         hint = (
             "It is not a local folder, not in the Hugging Face cache, and the Hub could not provide it: check the "
-            "repo id, your network, and (for gated or private models) `huggingface-cli login` / HF_TOKEN. "
+            "repo id, your network, and (for gated or private models) `hf auth login` / HF_TOKEN. "
             "Or pass the path of a local folder saved with save_pretrained."
         )
     return ModelNotFoundError(f"Could not load {_WHAT[what]} {name!r}. {hint} ({type(error).__name__}: {error})")

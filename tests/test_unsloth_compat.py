@@ -152,8 +152,9 @@ def test_saving_methods_refuse_unknown_methods_and_types_before_any_work(saved, 
     with pytest.raises(ValueError, match=r"\['iq2_xs'\]"):
         model.save_pretrained_gguf(tmp_path / "g", tokenizer, quantization_method=["q4_k_m", "iq2_xs"])
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(HubOfflineError, match="Nothing was merged or written"):
+    with pytest.raises(HubOfflineError, match="Nothing was merged or written") as offline:
         model.push_to_hub_gguf("someone/model", tokenizer, quantization_method=["q4_k_m", "Q8_0"])
+    assert "`hf upload`" in str(offline.value)  # huggingface_hub's current CLI (`huggingface-cli` is gone)
     with pytest.raises(HubOfflineError, match="HF_HUB_OFFLINE is set"):
         model.push_to_hub_merged("someone/model", tokenizer, save_method="merged_16bit")
     assert not (tmp_path / "m").exists() and not (tmp_path / "g").exists()

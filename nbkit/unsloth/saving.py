@@ -118,7 +118,7 @@ def _offline_first(repo_id: str) -> None:
         raise HubOfflineError(
             f"cannot upload to {repo_id}: {why}. Nothing was merged or written: save locally with "
             "model.save_pretrained_merged / model.save_pretrained_gguf, then upload the folder from a machine that "
-            "is online (nbkit.export.push.push_to_hub or `huggingface-cli upload`) after unsetting HF_HUB_OFFLINE "
+            "is online (nbkit.export.push.push_to_hub or `hf upload`) after unsetting HF_HUB_OFFLINE "
             "and logging in."
         )
 
