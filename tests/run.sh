@@ -25,7 +25,8 @@ if [ -z "${VIRTUAL_ENV:-}" ] || [ -n "$constraints" ]; then
   . "$venv/bin/activate"
 fi
 python -m pip install -q --upgrade pip
-# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build on a CPU machine.
+# torch first, pinned, and only when missing: pip's index decides the build (PyPI's Linux torch is the CUDA one), so
+# on a Linux machine without a GPU install the CPU build first (README, Try it); tests/ needs no GPU.
 python -c 'import torch' 2>/dev/null || python -m pip install -q torch==2.13.0
 if [ -n "$constraints" ]; then
   python -m pip install -q -c "$constraints" -e ".[dev]"
