@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -66,8 +66,25 @@ def _looks_like_path(name: str) -> bool:
 _WHAT = {"model": "model", "weights": "the weights of model", "tokenizer": "the tokenizer of model"}
 
 
+def _near_folder(name: str) -> Optional[str]:
+    """A folder next to where ``name`` points whose name is close to it (a typo of a local folder taken for a Hub
+    id, e.g. "tiny-modle" for "tiny-model"); None when none is."""
+    import difflib
+
+    parent, base = os.path.split(os.path.expanduser(name.rstrip("/")))
+    try:
+        names = [e.name for e in os.scandir(parent or ".") if e.is_dir()]
+    except OSError:
+        return None
+    close = difflib.get_close_matches(base, names, n=1, cutoff=0.8)
+    return os.path.join(parent, close[0]) if close else None
+
+
 def _not_found(name: str, what: str, error: BaseException) -> ModelNotFoundError:
-    if _looks_like_path(name):
+    near = None if os.path.isdir(os.path.expanduser(name)) else _near_folder(name)
+    if near is not None:
+        hint = f"There is no folder {name!r} here, but there is {near!r}: did you mean that one?"
+    elif _looks_like_path(name):
         hint = (
             f"It looks like a path, but no loadable {what} is there: check the path, and that the folder was "
             "written with save_pretrained."

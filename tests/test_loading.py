@@ -361,3 +361,15 @@ def test_load_tokenizer_sets_pad_for_a_model_without_one(saved, tmp_path):
     model, tok2 = load_model(str(tmp_path), load_in_4bit=False, lora_r=4)
     assert tok2.pad_token_id == tok.pad_token_id == model.config.pad_token_id
     assert model.generation_config.pad_token_id == tok.pad_token_id
+
+
+def test_a_mistyped_local_folder_is_named_with_the_one_meant(tmp_path, monkeypatch):
+    """A typo of a local folder's name ("tiny-modle") reads as a Hub id; the error names the folder next to it."""
+    (tmp_path / "tiny-model").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotFoundError, match=r"no folder 'tiny-modle' here, but there is 'tiny-model'"):
+        load_model("tiny-modle")
+    with pytest.raises(ModelNotFoundError) as far:
+        load_model("something-else-entirely")
+    assert "did you mean" not in str(far.value) and "HF_HUB_OFFLINE" in str(far.value)
