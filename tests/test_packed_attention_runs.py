@@ -16,7 +16,7 @@ import weakref
 
 import pytest
 import torch
-from parity import add_lora, tiny_lm
+from parity import Run, add_lora, run_steps, tiny_lm
 from transformers import AttentionInterface
 
 from nbkit.demo.models import tiny_model
@@ -71,20 +71,17 @@ def _layers(model: torch.nn.Module) -> int:
     return model.config.get_text_config().num_hidden_layers
 
 
-def _steps(model: torch.nn.Module, batches: list[dict], between: dict) -> tuple[list[float], list[dict]]:
+def _steps(model: torch.nn.Module, batches: list[dict], between: dict) -> Run:
     """Per batch a training forward and its backward; an evaluation forward (no grad) of ``between`` after each."""
-    losses, grads = [], []
-    for batch in batches:
-        model.zero_grad(set_to_none=True)
-        loss = model(**batch).loss
+
+    def backward_then_evaluate(loss: torch.Tensor) -> None:
         loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         model.eval()
         with torch.no_grad():
             model(**between)
         model.train()
-    return losses, grads
+
+    return run_steps(model, batches, backward=backward_then_evaluate)
 
 
 def test_a_checkpointed_layer_recomputes_on_its_own_forwards_run(runs, registry, one_thread):
@@ -112,9 +109,9 @@ def test_a_checkpointed_layer_recomputes_on_its_own_forwards_run(runs, registry,
         assert trained[0].host_offsets == batch["nbkit_cu_seqlens_host"]
         evaluated = runs[step * per_step + 2 * layers:(step + 1) * per_step]
         assert all(r is evaluated[0] and r is not trained[0] for r in evaluated)
-    (plain_losses, plain_grads), (losses, grads) = results
-    torch.testing.assert_close(losses, plain_losses, rtol=1e-5, atol=0)
-    for got, want in zip(grads, plain_grads):
+    plain, checkpointed = results
+    torch.testing.assert_close(checkpointed.losses, plain.losses, rtol=1e-5, atol=0)
+    for got, want in zip(checkpointed.grads, plain.grads):
         assert got.keys() == want.keys() and got
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
