@@ -22,6 +22,8 @@
 #   WARM_CACHES  1: the processes share torch.compile's, Triton's and Unsloth's compile caches (default: empty ones
 #                for each process)
 #   NBKIT_GIT_COMMIT  the commit the copy was made from (a copy without .git records "unknown")
+#   NBKIT_SOURCE a folder whose nbkit/ is imported instead of the repo's (another commit's, unpacked with
+#                `git archive <commit> nbkit | tar -x -C <folder>`), to time it beside this one on the same machine
 #
 # $OUT gets two files (the machine sends back 8 at most): recipe_round_<shape>.tar.gz, the results file of every
 # process (one per script run, written by write_results) and its log, rewritten after each process so a round cut
@@ -60,7 +62,7 @@ say "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,nohe
 # nbkit's environment: the repo (nbkit, benchmarks) first, then .whl/'s trl 1.16, datasets 5.2, bitsandbytes, ...
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ||
     { say "could not install .whl/ into /tmp/site"; exit 1; }
-NBKIT_PATH=$ROOT:/tmp/site
+NBKIT_PATH=${NBKIT_SOURCE:+$NBKIT_SOURCE:}$ROOT:/tmp/site
 # Unsloth's: built once (/tmp/usite); its export lines are sourced by each of its processes only
 if [ "$want_unsloth" = 1 ]; then
     bash benchmarks/unsloth_env.sh >"$WORK/unsloth.env" || { say "could not set up Unsloth's environment"; exit 1; }

@@ -44,10 +44,11 @@ from parity import Tol, add_lora, assert_same_run, fast_sft, tiny_lm, train
 
 from nbkit.ops.layer_graphs import GraphedLayer, TapeBackend
 from nbkit.ops.offload_lanes import _HostPool
+from nbkit.ops.recompute_graphs import RecomputedLayer
 from nbkit.speedups import LAYER_MODES, SPEEDUPS, SpeedupSpec
 from nbkit.speedups.cuda_graphs import CudaGraphs
 from nbkit.speedups.layer_budget import Budget, Look
-from nbkit.speedups.layer_plan import KEPT, MLP_RECOMPUTED, OFFLOADED
+from nbkit.speedups.layer_plan import CHECKPOINTED, KEPT, MLP_RECOMPUTED, OFFLOADED
 
 LAYERS = 4  # tiny_model's
 BATCH, ACCUMULATION, STEPS = 2, 2, 4
@@ -99,6 +100,8 @@ def _recorded(spec: SpeedupSpec, seen: dict[str, Any]) -> SpeedupSpec:
                     graphs = runner.graphs
                     seen["buckets"] = sorted({v.bucket for (_, v), e in graphs._graphs.items()
                                               if isinstance(e, GraphedLayer)})
+                    seen["recomputed"] = sorted({(i, v.bucket) for (i, v), e in graphs._graphs.items()
+                                                 if isinstance(e, RecomputedLayer)})
                 detach()
 
             runner.detach = read_then_detach
@@ -107,9 +110,9 @@ def _recorded(spec: SpeedupSpec, seen: dict[str, Any]) -> SpeedupSpec:
     return SpeedupSpec(spec.name, spec.stage, build, spec.switched)
 
 
-def _run(tmp_path, monkeypatch, fast: bool, pool_calls: list) -> tuple[Any, dict[str, Any]]:
-    """One run: FastSFT with the forced default path (``fast``), else TRL's SFTTrainer; the run and what the layer
-    runner did (read before the trainer detaches it)."""
+def _run(tmp_path, monkeypatch, fast: bool, pool_calls: list, offload: bool = True) -> tuple[Any, dict[str, Any]]:
+    """One run: FastSFT with the forced default path (``fast``; ``offload``: offload_checkpointing=True, else off),
+    else TRL's SFTTrainer; the run and what the layer runner did (read before the trainer detaches it)."""
     from nbkit.demo.tokenizer import load_demo_tokenizer
 
     tokenizer = load_demo_tokenizer()
@@ -145,7 +148,7 @@ def _run(tmp_path, monkeypatch, fast: bool, pool_calls: list) -> tuple[Any, dict
 
     monkeypatch.setattr(_HostPool, "acquire", spied)
     trainer = fast_sft(tmp_path / "fast", model=model, lora=None, tokenizer=tokenizer, dataset=rows(len(tokenizer)),
-                       selective_checkpointing=True, offload_checkpointing=True, tiled_mlp=True, tiled_mlp_tokens=256,
+                       selective_checkpointing=True, offload_checkpointing=offload, tiled_mlp=True, tiled_mlp_tokens=256,
                        **settings)
     return train(trainer, grads=True), seen
 
@@ -178,3 +181,21 @@ def test_the_default_path_under_a_budget_trains_as_plain_trl(tmp_path, one_threa
     hidden = fast.trainer.model.config.hidden_size
     assert [nbytes // (4 * hidden) for nbytes, _, _ in pool_calls] == [150] * 4 + [470] * 2 + [60, 300, 200, 450, 340, 130]
     assert any(len(set(sizes)) > 1 and taken and taken[0] > 0 for _, sizes, taken in pool_calls), pool_calls
+
+
+def test_checkpointed_layers_replay_as_graphs_and_train_as_plain_trl(tmp_path, one_thread, monkeypatch, caplog):
+    """Without the offload, the layers the plan leaves checkpointed replay their forward, recompute and backward as
+    graphs (``ops.recompute_graphs``) from the first look on: layer 0 throughout, layer 1 until the second look
+    recomputes only its MLP (its graphs then unused, the others' replayed in their order)."""
+    plain, _ = _run(tmp_path, monkeypatch, False, [])
+    with caplog.at_level(logging.INFO, logger="nbkit"):
+        fast, seen = _run(tmp_path, monkeypatch, True, [], offload=False)
+    assert_same_run(fast, plain, **TOLERANCE)
+    assert seen["plans"] == [CHECKPOINTED, MLP_RECOMPUTED, KEPT, KEPT]
+    assert seen["line"] == f"{LAYERS} layers: 2 kept (2 graphed), 1 with the MLP recomputed, 1 checkpointed (1 graphed)"
+    assert f"{LAYERS} layers: 1 kept (1 graphed), 1 with the MLP recomputed, 2 checkpointed (2 graphed)" in caplog.text
+    graphs = seen["runner"].graphs
+    micro_batches = STEPS * ACCUMULATION  # the first measures the checkpointed layers eagerly
+    assert graphs.checkpointed_replays >= micro_batches - 1, graphs.counters()
+    assert set(graphs.eager) <= {"checkpointed layer"}, graphs.eager
+    assert {i for i, _ in seen["recomputed"]} == {0, 1} and {b for _, b in seen["recomputed"]} == {256, 384, 512}

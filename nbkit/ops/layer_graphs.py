@@ -40,11 +40,14 @@ through these backends, so the CPU tests drive each captured path on tapes.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+if TYPE_CHECKING:
+    from .recompute_graphs import Shared
 
 aten = torch.ops.aten
 # ops that read a device value on the host: a CUDA capture fails on them, so the tape does too
@@ -173,18 +176,22 @@ class GraphedLayer:
 
     def __init__(self, module: torch.nn.Module, forward_fn: Callable[..., Any], like: torch.Tensor, x_grad: bool,
                  static_kwargs: Callable[[], dict], grad_out: torch.Tensor, backend: Any, pool: Any,
-                 label: str = "layer") -> None:
+                 label: str = "layer", shared: Optional[Shared] = None) -> None:
         """``like``: a tensor of the static input's shape, dtype and device; ``grad_out``: the static buffer the
-        incoming gradient is copied into (it may be shared by layers that replay one after another)."""
+        incoming gradient is copied into (it may be shared by layers that replay one after another). ``shared``:
+        static input, output and input gradient shared with other layers whose forward and backward replay back to
+        back (``RecomputedLayer``); then the output and the input's gradient are copied into them inside the graphs,
+        and the pool keeps nothing of this layer between replays but its parameters' gradients."""
         self.forward_fn, self.static_kwargs, self.grad_out = forward_fn, static_kwargs, grad_out
-        self.backend, self.pool, self.label = backend, pool, label
+        self.backend, self.pool, self.label, self.shared = backend, pool, label, shared
         slots = [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None and p.requires_grad]
         stand_ins: dict[int, torch.nn.Parameter] = {}
         for _, _, p in slots:
             stand_ins.setdefault(id(p), torch.nn.Parameter(p.detach(), requires_grad=True))
         self.trainable = tuple({id(p): p for _, _, p in slots}.values())
         self._slots = [(m, n, p, stand_ins[id(p)]) for m, n, p in slots]
-        self.x = torch.zeros(like.shape, dtype=like.dtype, device=like.device, requires_grad=x_grad)
+        self.x = shared.x if shared is not None else \
+            torch.zeros(like.shape, dtype=like.dtype, device=like.device, requires_grad=x_grad)
         self.inputs = ((self.x,) if x_grad else ()) + tuple(stand_ins[id(p)] for p in self.trainable)
         device = like.device.type
         self.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
@@ -207,10 +214,10 @@ class GraphedLayer:
             for module, name, param, _ in self._slots:
                 module._parameters[name] = param
 
-    def _run(self, kwargs: dict) -> torch.Tensor:
+    def _run(self, kwargs: dict, grad: bool = True) -> torch.Tensor:
         enabled, dtype = self.autocast
-        with self._stand_ins(), torch.enable_grad(), torch.autocast(self.x.device.type, dtype=dtype, enabled=enabled,
-                                                                    cache_enabled=False):
+        with self._stand_ins(), torch.set_grad_enabled(grad), torch.autocast(
+                self.x.device.type, dtype=dtype, enabled=enabled, cache_enabled=False):
             out = self.forward_fn(self.x, **kwargs)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"the layer returns {type(out).__name__}, not the hidden states tensor")
@@ -226,12 +233,16 @@ class GraphedLayer:
         graph = self.backend.new_graph()
         with self.backend.capturing(graph, self.pool):
             out = self._run(kwargs)
-        self.fwd, self.out, self._captured_out = graph, out.detach(), out
+        # shared: nothing reads the recompute's output but its backward
+        self.fwd, self.out, self._captured_out = graph, None if self.shared else out.detach(), out
 
     def capture_backward(self) -> None:
         graph = self.backend.new_graph()
         with self.backend.capturing(graph, self.pool):
             grads = self._grad(self._captured_out)
+            if self.shared is not None and self.x.requires_grad:
+                self.shared.grad_x.copy_(grads[0])
+                grads = (self.shared.grad_x, *grads[1:])  # this layer's own copy goes back to the pool
         self._captured_out = None
         unreached = sum(g is None for g in grads[len(self.inputs) - len(self.trainable):])
         if unreached:
@@ -239,7 +250,7 @@ class GraphedLayer:
                                       "its modules (something holds them by reference)")
         self.bwd, self.grads = graph, grads
 
-    def replay_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def replay_forward(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         tokens = x.shape[1]
         with torch.no_grad():
             self.x[:, :tokens].copy_(x)
@@ -247,7 +258,7 @@ class GraphedLayer:
                 self.x[:, tokens:].zero_()
         self.fwd.replay()
         self.generation += 1
-        return self.out[:, :tokens].clone()
+        return self.out[:, :tokens].clone() if self.out is not None else None
 
     def replay_backward(self, grad: torch.Tensor, generation: int) -> tuple[Optional[torch.Tensor], list]:
         if generation != self.generation:

@@ -1,14 +1,17 @@
-"""CUDA graphs for the decoder layers the layer plan keeps: each layer's forward and backward is one replay.
+"""CUDA graphs for the decoder layers the layer plan graphs: a kept layer's forward and backward are one replay
+each; a checkpointed layer's forward, recompute and backward too.
 
 Why: on short rows a QLoRA step is bound by the host. Every decoder layer's forward and backward launch a few hundred
 kernels from Python (PEFT's and nbkit's LoRA functions, bitsandbytes' dequantization, Liger's kernels, autograd's
 engine), and the GPU finishes each before the next is launched. A captured graph launches them all from one call.
+Under a small card's memory most layers are checkpointed: their recompute is a third pass of launches.
 
 Where it runs: an engine of the layer runner (``layer_runner``), which owns every decoder layer's ``forward``. The
-runner calls ``call`` for a training call (the layer in training mode, grad enabled) of a layer whose plan says
-``graphed`` (``runner.plans[i].graphed``: its activations kept whole, where this mode takes part); every other call
-runs the layer's own forward (eval and no-grad calls) or the runner's checkpointing (a checkpointed layer: its
-recompute is not graphed). ``prepare`` says whether the model can be graphed at all.
+runner calls ``call`` for a training call (the layer in training mode, grad enabled) of a kept layer whose plan says
+``graphed`` (``runner.plans[i].graphed``), and ``call_checkpointed`` for a checkpointed one (its graphs keep only
+the layer's input: ``ops.recompute_graphs``; None hands the call back to the runner's checkpointing); every other
+call runs the layer's own forward (eval and no-grad calls) or the runner's checkpointing (offloaded layers, layers
+with the MLP recomputed, step 1). ``prepare`` says whether the model can be graphed at all.
 
 How:
 
@@ -70,10 +73,12 @@ from torch.utils.checkpoint import checkpoint
 
 from ..memory import fmt_bytes, gpu_in_use, gpu_reserved
 from ..ops.layer_graphs import CudaGraphBackend, GraphedLayer, UnreachedParameters, replay
+from ..ops.recompute_graphs import RecomputedLayer, Shared, replay_checkpointed
 from ..ops.varlen_attention import KERNEL_FNS, PackedRun
 from ..say_once import SayOnce
 from ..settings import check_value
 from .graph_buckets import BUCKETS, DROPPED_KWARGS, TOKENWISE_KWARGS, BucketMetadata, bucket_for, doc_capacity, rope_key
+from .layer_plan import KEPT
 
 if TYPE_CHECKING:
     from .packed_attention import PackedAttention
@@ -148,9 +153,16 @@ class Variant:
     tokenwise: tuple  # which per-token arguments are given
 
 
-def _recapture(entry: Union[GraphedLayer, Eager]) -> bool:
-    """Whether a layer without graphs in a variant gets them at its next call (it was checkpointed at capture)."""
-    return isinstance(entry, Eager) and entry.kind is Kind.CHECKPOINTED
+Entry = Union[GraphedLayer, RecomputedLayer, Eager]
+
+
+def _stale(entry: Entry, kept: bool) -> bool:
+    """Whether a layer's entry in a variant is captured again at its next call: it had no graphs because the plan
+    did not graph it then, or it has the graphs of the other plan (kept: ``GraphedLayer``; checkpointed:
+    ``RecomputedLayer``)."""
+    if isinstance(entry, Eager):
+        return entry.kind is Kind.CHECKPOINTED
+    return isinstance(entry, GraphedLayer) != kept
 
 
 def _layer_reason(runner: Any, layer: Any) -> Optional[Eager]:
@@ -210,11 +222,15 @@ class CudaGraphs:
         self.replays = 0
         self.recomputed = 0
         self.reused = 0
+        self.checkpointed_replays = 0
         self.eager: dict[str, int] = {}
 
     def _reset(self) -> None:
         self._layers: list[Any] = []  # the runner's Layer records
-        self._graphs: dict[tuple[int, Variant], Union[GraphedLayer, Eager]] = {}  # its graphs, or why it has none
+        self._graphs: dict[tuple[int, Variant], Entry] = {}  # its graphs, or why it has none
+        self._buffers: dict[tuple, Shared] = {}  # recomputed layers' static buffers, by bucket, dtype, x's grad
+        self._recompute_pool: Any = None  # every recomputed layer's graphs, whatever the bucket (recompute_graphs)
+        self._recompute_tokens = 0  # the largest bucket captured in it
         self._shared: dict[int, BucketMetadata] = {}  # by bucket
         self._plan_run: Optional[PackedRun] = None
         self._plan_of_run: Union[Eager, Variant, None] = None
@@ -232,8 +248,8 @@ class CudaGraphs:
     def counters(self) -> dict:
         """The counters, for benchmarks."""
         return {"captured": self.captured, "captures": self._captures, "capture_s": round(self.capture_s, 3),
-                "replays": self.replays, "eager": dict(self.eager), "recomputed": self.recomputed,
-                "reused": self.reused}
+                "replays": self.replays, "checkpointed_replays": self.checkpointed_replays,
+                "eager": dict(self.eager), "recomputed": self.recomputed, "reused": self.reused}
 
     # ---------------------------------------------------------------------------------------------- the runner's
     def prepare(self, runner: Any, base: torch.nn.Module) -> bool:
@@ -289,13 +305,14 @@ class CudaGraphs:
         self._runner = None
 
     # ------------------------------------------------------------------------------------------------------- calls
-    def call(self, runner: Any, layer: Any, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> Any:
-        """One call of a layer the plan graphs: a replay, or the eager layer (said once per reason, counted)."""
-        index, original = layer.index, layer.original
+    def _replayable(self, runner: Any, layer: Any, hidden_states: torch.Tensor, args: tuple,
+                    kwargs: dict) -> Union[GraphedLayer, RecomputedLayer, Eager]:
+        """The graphs this call replays, its bucket's metadata loaded; or why it runs eagerly (said once per reason,
+        counted)."""
         why = _layer_reason(runner, layer)
         if why is None:
             plan = self._plan(hidden_states, args, kwargs)
-            graphs = plan if isinstance(plan, Eager) else self._graphs_for(index, plan, hidden_states, kwargs)
+            graphs = plan if isinstance(plan, Eager) else self._graphs_for(layer.index, plan, hidden_states, kwargs)
             if isinstance(graphs, Eager):
                 why = graphs
             elif graphs.x.requires_grad != hidden_states.requires_grad:
@@ -304,9 +321,28 @@ class CudaGraphs:
                 why = OTHER_ROPE
             else:
                 self.replays += 1
-                return replay(graphs, hidden_states)
+                return graphs
         self._say(f"eager:{why.text}", f"a layer call ran eagerly: {why.text}", logging.INFO)
         self.eager[why.text] = self.eager.get(why.text, 0) + 1
+        return why
+
+    def call_checkpointed(self, runner: Any, layer: Any, hidden_states: torch.Tensor, args: tuple,
+                          kwargs: dict) -> Optional[torch.Tensor]:
+        """One call of a checkpointed layer the plan graphs: a replay that keeps only the layer's input, or None
+        (the runner then checkpoints the layer eagerly)."""
+        graphs = self._replayable(runner, layer, hidden_states, args, kwargs)
+        if not isinstance(graphs, RecomputedLayer):
+            return None
+        self.checkpointed_replays += 1
+        return replay_checkpointed(graphs, hidden_states)
+
+    def call(self, runner: Any, layer: Any, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+        """One call of a kept layer the plan graphs: a replay, or the eager layer (said once per reason, counted)."""
+        index, original = layer.index, layer.original
+        graphs = self._replayable(runner, layer, hidden_states, args, kwargs)
+        if isinstance(graphs, GraphedLayer):
+            return replay(graphs, hidden_states)
+        why = graphs
         if index in self._graphed and why is not CHECKPOINTED and torch.is_grad_enabled() and layer.module.training \
                 and not self._eager_keeps_activations(hidden_states, kwargs):
             # its graphs' pool holds its activations already: a second copy outside it is what runs a
@@ -380,7 +416,8 @@ class CudaGraphs:
         bucket's pools beside the others' are what runs a GPU near its limit out of memory."""
         if self._layer_bytes is None or any(v == variant for _, v in self._graphs):
             return variant
-        eligible = sum(1 for layer in self._layers if self._runner.plans[layer.index].graphed)
+        eligible = sum(1 for layer in self._layers if self._runner.plans[layer.index].graphed
+                       and self._runner.plans[layer.index].activations == KEPT)
         if self._memory_problem(x.device, variant.bucket, max(eligible, 1)) is None:
             return variant
         larger = sorted({v for (i, v), e in self._graphs.items() if isinstance(e, GraphedLayer)
@@ -395,11 +432,11 @@ class CudaGraphs:
                   "graphs: no memory for another bucket's", logging.INFO)
         return larger[0]
 
-    def _graphs_for(self, index: int, variant: Variant, x: torch.Tensor, kwargs: dict) -> Union[GraphedLayer, Eager]:
+    def _graphs_for(self, index: int, variant: Variant, x: torch.Tensor, kwargs: dict) -> Entry:
         """This layer's graphs for the forward's variant (captured now, from this layer on, if new), or why it has
         none."""
         entry = self._graphs.get((index, variant))
-        if entry is None or _recapture(entry):  # new, or un-checkpointed since its bucket's capture
+        if entry is None or _stale(entry, self._kept(index)):  # new, or its plan changed since its bucket's capture
             if self._captures >= MAX_CAPTURES:
                 return TOO_MANY_CAPTURES
             self._capture(index, variant, x, kwargs)
@@ -407,10 +444,12 @@ class CudaGraphs:
         return entry
 
     def _capture(self, first: int, variant: Variant, x: torch.Tensor, kwargs: dict) -> None:
-        """Capture one variant's graphs for every eligible layer from ``first`` on that has none yet: all forwards
-        in layer order, then all backwards in reverse, the order they replay in, so the captures of one call share
-        one memory pool (each call its own: a layer captured later replays between the others), and each backward
-        before any replay has written the static inputs autograd saved."""
+        """Capture one variant's graphs for every eligible layer from ``first`` on that has none yet, in the order
+        they replay in, so the graphs of one call share a memory pool (each call its own: a layer captured later
+        replays between the others). Kept layers: all forwards in layer order, then all backwards in reverse, each
+        backward before any replay has written the static inputs autograd saved. Checkpointed layers: all forwards
+        (without grad) in layer order, then each recompute and its backward in reverse, in the run's one pool for
+        them (``ops.recompute_graphs``: nothing of theirs is alive in it between two replays)."""
         self._captures += 1
         started = time.perf_counter()
         try:
@@ -418,22 +457,27 @@ class CudaGraphs:
         finally:
             self.capture_s += time.perf_counter() - started
 
+    def _kept(self, index: int) -> bool:
+        return self._runner.plans[index].activations == KEPT
+
     def _capture_from(self, first: int, variant: Variant, x: torch.Tensor, kwargs: dict) -> None:
-        pool = self.backend.pool()
         bucket = variant.bucket
         reserved = gpu_reserved(x.device)
         shared = self._shared.get(bucket)
         if shared is None:
             shared = self._shared[bucket] = BucketMetadata(bucket, self.packed, x.device)
         shared.load(x.shape[1], kwargs, rope_key(self._layers[first].module))
-        captured: list[GraphedLayer] = []
+        pools: dict[bool, Any] = {}  # kept: this call's own pool; recomputed: the run's one pool
+        kept: list[GraphedLayer] = []
+        recomputed: list[RecomputedLayer] = []
         attempted: list[int] = []
+        captured: list[tuple[int, Union[GraphedLayer, RecomputedLayer]]] = []
         x_grad = x.requires_grad
         try:
             for i in range(first, len(self._layers)):
                 record, entry = self._layers[i], self._graphs.get((i, variant))
-                layer = record.module
-                if entry is not None and not _recapture(entry):  # captured, or a lasting reason
+                layer, keep = record.module, self._kept(i)
+                if entry is not None and not _stale(entry, keep):  # captured, or a lasting reason
                     x_grad = True
                     continue
                 why: Optional[Eager] = None
@@ -443,7 +487,10 @@ class CudaGraphs:
                     why = HOOKED
                     self._say(f"hooks{i}", f"layer {i} runs eagerly: a module inside it has hooks (they would run "
                               "at the capture only)")
-                elif (memory := self._memory_problem(x.device, bucket)) is not None:
+                elif (keep or not recomputed) and (memory := self._memory_problem(
+                        x.device, bucket if keep else bucket - self._recompute_tokens)) is not None:
+                    # the recomputed layers' one pool holds one layer's activations at its largest bucket: what a
+                    # larger bucket adds to it, checked once a call
                     why = Eager(memory, Kind.LASTING)
                     self._say(f"mem{bucket}", f"layer {i} and later run eagerly at {bucket} tokens: {memory}")
                 if why is not None:
@@ -453,19 +500,33 @@ class CudaGraphs:
                 attempted.append(i)
                 if shared.grad_out is None:
                     shared.grad_out = x.new_zeros((1, bucket, x.shape[-1]))
-                graphs = GraphedLayer(layer, record.original, shared.grad_out, x_grad,
-                                      shared.static_kwargs(kwargs, rope_key(layer)), shared.grad_out, self.backend,
-                                      pool, label=f"decoder layer {i}")
-                before = gpu_in_use(x.device)
-                graphs.capture_forward()
-                if x.is_cuda:  # what the forward's graph keeps, twice: the backward's graph comes on top
-                    kept = 2 * (gpu_in_use(x.device) - before)
-                    if self._layer_bytes is None or kept / bucket > self._layer_bytes / self._layer_bucket:
-                        self._layer_bytes, self._layer_bucket = kept, bucket
-                captured.append(graphs)
+                if keep not in pools:
+                    if not keep and self._recompute_pool is None:
+                        self._recompute_pool = self.backend.pool()
+                    pools[keep] = self.backend.pool() if keep else self._recompute_pool
+                static_kwargs = shared.static_kwargs(kwargs, rope_key(layer))
+                label = f"decoder layer {i}"
+                if keep:
+                    graphs = GraphedLayer(layer, record.original, shared.grad_out, x_grad, static_kwargs,
+                                          shared.grad_out, self.backend, pools[keep], label=label)
+                    before = gpu_in_use(x.device)
+                    graphs.capture_forward()
+                    if x.is_cuda:  # what the forward's graph keeps, twice: the backward's graph comes on top
+                        self._measured(2 * (gpu_in_use(x.device) - before), bucket)
+                    kept.append(graphs)
+                else:
+                    graphs = RecomputedLayer(layer, record.original, self._shared_buffers(bucket, x, x_grad),
+                                             static_kwargs, shared.grad_out, self.backend, pools[keep], label=label)
+                    graphs.capture_forward()
+                    recomputed.append(graphs)
+                captured.append((i, graphs))
                 x_grad = x_grad or bool(graphs.trainable)
-            for graphs in reversed(captured):
+            for graphs in reversed(kept):
                 graphs.capture_backward()
+            for graphs in reversed(recomputed):  # each recompute's activations freed before the next one's
+                held = graphs.capture_recompute(lambda: gpu_in_use(x.device))
+                if x.is_cuda:
+                    self._measured(2 * held, bucket)
         except Exception as err:  # noqa: BLE001 - an op that cannot be captured: the bucket stays eager
             why = UNREACHED if isinstance(err, UnreachedParameters) else CAPTURE_FAILED
             for i in attempted:
@@ -473,16 +534,31 @@ class CudaGraphs:
             self._say(f"fail{bucket}", f"layers run eagerly at {bucket} tokens: their capture failed "
                       f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
             return
-        for i, graphs in zip(attempted, captured):
+        if recomputed:
+            self._recompute_tokens = max(self._recompute_tokens, bucket)
+        for i, graphs in captured:
             self._graphs[(i, variant)] = graphs
-            self._graphed.add(i)
+            if isinstance(graphs, GraphedLayer):
+                self._graphed.add(i)
         self.captured += len(captured)
         # the pools' memory is reserved, mostly not allocated: what reading an out-of-memory needs
-        logger.debug("nbkit cuda_graphs: %d layers captured at %d tokens; reserved GPU memory %s -> %s",
-                     len(captured), bucket, fmt_bytes(reserved), fmt_bytes(gpu_reserved(x.device)))
-        if captured:
+        logger.debug("nbkit cuda_graphs: %d layers captured at %d tokens (%d checkpointed); reserved GPU memory "
+                     "%s -> %s", len(attempted), bucket, len(recomputed), fmt_bytes(reserved),
+                     fmt_bytes(gpu_reserved(x.device)))
+        if attempted:
             self._say("on", f"decoder layers replay as CUDA graphs (buckets of up to {self.max_tokens} tokens)",
                       logging.INFO)
+
+    def _measured(self, kept: int, bucket: int) -> None:
+        """What one layer's graphs keep at ``bucket`` tokens: the largest per token seen sizes later captures."""
+        if self._layer_bytes is None or kept / bucket > self._layer_bytes / self._layer_bucket:
+            self._layer_bytes, self._layer_bucket = kept, bucket
+
+    def _shared_buffers(self, bucket: int, x: torch.Tensor, x_grad: bool) -> Shared:
+        key = (bucket, x.dtype, x_grad)
+        if key not in self._buffers:
+            self._buffers[key] = Shared.make((1, bucket, x.shape[-1]), x.dtype, x.device, x_grad)
+        return self._buffers[key]
 
     def _memory_problem(self, device: torch.device, bucket: int, layers: int = 1) -> Optional[str]:
         """Why ``layers`` more layers' graphs at ``bucket`` tokens do not fit now, or None (the run's budget decides:

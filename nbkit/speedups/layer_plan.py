@@ -7,9 +7,11 @@ a checkpointed input kept on the GPU instead of in host memory saves two copies 
 budget on them in that order of worth.
 
 ``LayerPlan``: per layer,
-- ``activations``: ``KEPT`` (nothing recomputed; ``graphed`` when it replays as a CUDA graph), ``MLP_RECOMPUTED``
-  (attention's activations kept, the MLP's recomputed in backward), ``CHECKPOINTED`` (only the layer's input kept,
-  the layer recomputed), ``OFFLOADED`` (checkpointed, its input in host memory);
+- ``activations``: ``KEPT`` (nothing recomputed), ``MLP_RECOMPUTED`` (attention's activations kept, the MLP's
+  recomputed in backward), ``CHECKPOINTED`` (only the layer's input kept, the layer recomputed), ``OFFLOADED``
+  (checkpointed, its input in host memory);
+- ``graphed``: a kept layer replays its forward and backward as CUDA graphs; a checkpointed one its forward, its
+  recompute and its backward;
 - ``dequantized``: its frozen 4-bit weights kept dequantized for the run.
 
 ``LayerCost``: bytes of one layer at the longest micro-batch, measured at step 1: what it keeps in each state, and
@@ -114,15 +116,20 @@ def spend(plans: Sequence[LayerPlan], costs: Sequence[LayerCost], budget: int,
 
 
 def describe(plans: Sequence[LayerPlan], weights_4bit: bool) -> str:
-    """The plan in one line: ``"28 layers: 20 kept (8 graphed), 6 checkpointed, 2 offloaded; weights 4-bit"``."""
+    """The plan in one line: ``"28 layers: 20 kept (8 graphed), 6 checkpointed (6 graphed), 2 offloaded; weights
+    4-bit"``."""
     count = {a: sum(p.activations == a for p in plans) for a in (KEPT, MLP_RECOMPUTED, CHECKPOINTED, OFFLOADED)}
     graphed = sum(p.graphed and p.activations == KEPT for p in plans)
+    recomputed = sum(p.graphed and p.activations == CHECKPOINTED for p in plans)
     parts = []
     if count[KEPT]:
         parts.append(f"{count[KEPT]} kept" + (f" ({graphed} graphed)" if graphed else ""))
     if count[MLP_RECOMPUTED]:
         parts.append(f"{count[MLP_RECOMPUTED]} with the MLP recomputed")
-    parts += [f"{count[a]} {a}" for a in (CHECKPOINTED, OFFLOADED) if count[a]]
+    if count[CHECKPOINTED]:
+        parts.append(f"{count[CHECKPOINTED]} {CHECKPOINTED}" + (f" ({recomputed} graphed)" if recomputed else ""))
+    if count[OFFLOADED]:
+        parts.append(f"{count[OFFLOADED]} {OFFLOADED}")
     line = f"{len(plans)} layers: {', '.join(parts)}"
     if weights_4bit:
         dequantized = sum(p.dequantized for p in plans)

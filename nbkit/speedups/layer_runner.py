@@ -6,7 +6,7 @@ fixed by a table and their memory budgeted five times. Here one object holds the
 (``layer_plan``) and one budget (``layer_budget``); the modes are engines it drives and never wrap anything:
 
 - ``offload`` (``offload.OffloadedCheckpointing``): a checkpointed layer's input kept in host memory;
-- ``graphs`` (``cuda_graphs.CudaGraphs``): a kept layer replayed as CUDA graphs;
+- ``graphs`` (``cuda_graphs.CudaGraphs``): a kept or checkpointed layer replayed as CUDA graphs;
 - ``tiled`` (``tiled_mlp.TiledMLP``): the MLP over tiles of the sequence where it would crowd the GPU;
 - ``keep`` (``selective_checkpointing.SelectiveCheckpointing``): which layers may keep their activations, and the
   longest micro-batch they are sized for;
@@ -24,7 +24,9 @@ How a run goes:
   function transformers calls with it becomes ``run_as_is`` through the ledger, and the runner calls the user's
   checkpoint function (with its arguments) itself, for the layers its plan checkpoints. Step 1's plan is what the
   user asked: checkpointed layers checkpointed (offloaded where the offload mode engages at the first call), the
-  others kept (and graphed).
+  others kept (and graphed). Checkpointed layers are graphed from the first look on (step 1 measures them eagerly),
+  where the user's checkpoint function is torch's own (``torch.utils.checkpoint.checkpoint``, as transformers
+  installs it); offloaded layers and layers with the MLP recomputed run eagerly.
 - Step 1 measures, in each checkpointed layer's recompute, what it saves for backward (a ``saved_tensors_hooks``
   pack hook chained before checkpoint's own, counting distinct storages that are not parameters; the MLP's share
   apart): what it would keep un-checkpointed, measured where it is held anyway, no value changed.
@@ -65,6 +67,12 @@ def run_as_is(function: Callable, *args: Any, **kwargs: Any) -> Any:
     return function(*args, **kwargs)
 
 
+def _torch_checkpoint(function: Optional[Callable]) -> bool:
+    """Whether a checkpoint function is torch's own with keyword arguments alone (transformers' partial): what the
+    recompute graphs reproduce. Not transformers' ``offload=True`` variant, nor a user's own."""
+    return isinstance(function, functools.partial) and function.func is checkpoint and not function.args
+
+
 _UNSIZED = 1 << 62  # the cost of keeping a layer nothing measured: more than any budget
 FFN_NAMES = ("mlp", "feed_forward", "block_sparse_moe")  # a decoder layer's feed-forward submodule, by family
 
@@ -103,6 +111,7 @@ class Layer:
     mlp_original: Optional[Callable] = None
     checkpointed: bool = False  # as the user asked, when training began
     checkpoint: Optional[Callable] = None  # the user's checkpoint function (transformers' partial)
+    graphable: bool = False  # checkpointed by torch's own checkpoint: its graphs may stand for it
     # step 1's measurement: tokens of the call, bytes saved in the recompute, of them the MLP's, and the MLP's input
     tokens: int = 0
     saved: int = 0
@@ -249,6 +258,7 @@ class LayerRunner:
                 getattr(m, "_gradient_checkpointing_func", None))
             if layer.checkpointed:
                 layer.checkpoint = m._gradient_checkpointing_func
+                layer.graphable = _torch_checkpoint(layer.checkpoint)
                 self._ledger.set(m, "_gradient_checkpointing_func", run_as_is)
         checkpointed = [layer for layer in self.layers if layer.checkpointed]
         if self.offload is not None and not self.offload.take(self, checkpointed):
@@ -306,6 +316,10 @@ class LayerRunner:
                 if plan.graphed and self.graphs is not None:
                     return self.graphs.call(self, layer, hidden_states, args, kwargs)
                 return layer.original(hidden_states, *args, **kwargs)
+            if plan.graphed and self.graphs is not None:
+                out = self.graphs.call_checkpointed(self, layer, hidden_states, args, kwargs)
+                if out is not None:
+                    return out
             function = layer.original
             if not self.planned and not layer.measured:
                 layer.tokens, layer.input = _tokens(hidden_states), hidden_states.numel() * hidden_states.element_size()
@@ -399,9 +413,12 @@ class LayerRunner:
         self._say_plan("second", "second look, with the plan's peak measured: " + look.why)
 
     def _apply(self, plans: list[LayerPlan]) -> None:
-        """Take ``plans``: kept layers graphed where the graphs mode runs, weights dequantized where newly planned."""
+        """Take ``plans``: kept layers graphed where the graphs mode runs, and checkpointed ones where torch's
+        checkpoint is theirs; weights dequantized where newly planned."""
         graphs = self.graphs is not None
-        plans = [replace(p, graphed=graphs and p.activations == KEPT) for p in plans]
+        plans = [replace(p, graphed=graphs and (p.activations == KEPT or (p.activations == CHECKPOINTED
+                                                                            and layer.graphable)))
+                 for p, layer in zip(plans, self.layers)]
         for layer, old, new in zip(self.layers, self.plans, plans):
             if new.dequantized and not old.dequantized and self.dequant is not None:
                 self.dequant.keep_layer(self._ledger, layer)

@@ -102,6 +102,23 @@ def test_graphs_train_as_the_eager_layers_on_a_4bit_base(tmp_path):
     _check(eager, again, graphed, True)
 
 
+@pytest.mark.parametrize("base", ["bf16", "4bit"])
+def test_checkpointed_layers_replay_as_graphs_and_train_as_the_eager_ones(tmp_path, base):
+    """``selective_checkpointing=False``: every layer stays checkpointed, and from the first look on each replays
+    its forward, recompute and backward as graphs (``ops.recompute_graphs``); the same tolerances as kept layers'."""
+    if base == "4bit":
+        pytest.importorskip("bitsandbytes")
+    build = _bf16 if base == "bf16" else _four_bit(tmp_path / "base")
+    kw = dict(selective_checkpointing=False, offload_checkpointing=False)
+    eager = _train(tmp_path, "eager", build, False, **kw)
+    again = _train(tmp_path, "again", build, False, **kw)
+    graphed = _train(tmp_path, "graphs", build, "auto", **kw)
+    _check(eager, again, graphed, True)
+    stats = graphed[2]
+    assert stats["plan"].startswith("4 layers: 4 checkpointed (4 graphed)"), stats["plan"]
+    assert stats["checkpointed_replays"] == stats["replays"] > 0, stats
+
+
 def _lora_model() -> torch.nn.Module:
     """A tiny bf16 Qwen3 on the GPU with LoRA r8 on every linear layer (B not zero, so the adapters matter)."""
     from peft import LoraConfig, get_peft_model

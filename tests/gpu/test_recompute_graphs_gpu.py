@@ -1,0 +1,59 @@
+"""``nbkit.ops.recompute_graphs`` on real CUDA graphs: the CPU checks (tests/test_recompute_graphs.py) with the same
+assertions, and what the point of one pool is: capturing a stack of checkpointed layers reserves about one layer's
+activations (and each layer's parameter gradients), where kept layers' graphs reserve one per layer. fp32, TF32 off
+(torch's default): eager and replay to torch's default fp32 tolerances."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_recompute_graphs import CHECKS, Block, capture_stack
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__[6:])
+def test_on_cuda_graphs(check):
+    from nbkit.ops.layer_graphs import CudaGraphBackend
+
+    check(CudaGraphBackend(), "cuda")
+
+
+def test_the_pool_holds_about_one_layers_activations():
+    from nbkit.ops.layer_graphs import CudaGraphBackend, GraphedLayer
+
+    hidden, tokens, count = 1024, 4096, 8
+    backend = CudaGraphBackend()
+    torch.manual_seed(0)
+    extra = torch.randn(1, tokens, 2 * hidden, device="cuda")
+
+    def reserved_by(capture) -> int:
+        blocks = [Block(hidden).cuda() for _ in range(count)]
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        graphs = capture(blocks)
+        torch.cuda.synchronize()
+        grown = torch.cuda.memory_reserved() - before
+        del graphs, blocks
+        torch.cuda.empty_cache()
+        return grown
+
+    def kept(blocks):
+        grad_out = torch.zeros(1, tokens, hidden, device="cuda")
+        pool = backend.pool()
+        layers = [GraphedLayer(b, b.forward, grad_out, True, lambda: {"extra": extra}, grad_out, backend, pool)
+                  for b in blocks]
+        for layer in layers:
+            layer.capture_forward()
+        for layer in reversed(layers):
+            layer.capture_backward()
+        return layers
+
+    kept_bytes = reserved_by(kept)
+    recomputed_bytes = reserved_by(lambda blocks: capture_stack(blocks, extra, backend))
+    activations = 3 * tokens * 2 * hidden * 4  # a block keeps up(x), silu(.), and their product's input: ~3 of 2H
+    print(f"reserved: kept {kept_bytes / 2**20:.0f} MiB, recomputed {recomputed_bytes / 2**20:.0f} MiB, "
+          f"one block's activations ~{activations / 2**20:.0f} MiB, {count} blocks")
+    assert kept_bytes > (count - 1) * activations
+    assert recomputed_bytes < kept_bytes / 3
