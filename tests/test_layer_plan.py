@@ -192,6 +192,12 @@ def test_graph_pools_keep_the_step_s_headroom(monkeypatch):
     assert "no memory for more graphs" in budget.graphs_room(LIMIT // 2 + 1)
     monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: LIMIT // 2)
     assert budget.graphs_room(LIMIT // 8) is None and budget.graphs_room(LIMIT // 4 + 1) is not None
+    # a pool that stands in for the step's own allocations (recompute graphs) counts from what tensors hold: the
+    # allocator's cached blocks are in its way only, and given back first
+    assert budget.graphs_room(LIMIT // 4 + 1, stands_in=True) is None and budget.cache_in_the_way(LIMIT // 4 + 1)
+    assert not budget.cache_in_the_way(LIMIT // 8)  # fits beside the cache
+    assert budget.graphs_room(LIMIT // 2 + 1, stands_in=True) is not None  # the step's peak stays free all the same
+    assert not budget.cache_in_the_way(LIMIT // 2 + 1)
 
 
 def test_off_cuda_nothing_is_crowded():

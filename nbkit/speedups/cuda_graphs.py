@@ -487,8 +487,9 @@ class CudaGraphs:
                     why = HOOKED
                     self._say(f"hooks{i}", f"layer {i} runs eagerly: a module inside it has hooks (they would run "
                               "at the capture only)")
-                elif (keep or not recomputed) and (memory := self._memory_problem(
-                        x.device, bucket if keep else bucket - self._recompute_tokens)) is not None:
+                elif (keep or not recomputed) and (memory := self._memory_problem(x.device, bucket) if keep else
+                                                   self._memory_problem(x.device, bucket - self._recompute_tokens,
+                                                                        stands_in=True)) is not None:
                     # the recomputed layers' one pool holds one layer's activations at its largest bucket: what a
                     # larger bucket adds to it, checked once a call
                     why = Eager(memory, Kind.LASTING)
@@ -515,6 +516,8 @@ class CudaGraphs:
                         self._measured(2 * (gpu_in_use(x.device) - before), bucket)
                     kept.append(graphs)
                 else:
+                    if not recomputed:
+                        self._give_back_cache(x.device, bucket - self._recompute_tokens)
                     graphs = RecomputedLayer(layer, record.original, self._shared_buffers(bucket, x, x_grad),
                                              static_kwargs, shared.grad_out, self.backend, pools[keep], label=label)
                     graphs.capture_forward()
@@ -560,9 +563,21 @@ class CudaGraphs:
             self._buffers[key] = Shared.make((1, bucket, x.shape[-1]), x.dtype, x.device, x_grad)
         return self._buffers[key]
 
-    def _memory_problem(self, device: torch.device, bucket: int, layers: int = 1) -> Optional[str]:
+    def _memory_problem(self, device: torch.device, bucket: int, layers: int = 1,
+                        stands_in: bool = False) -> Optional[str]:
         """Why ``layers`` more layers' graphs at ``bucket`` tokens do not fit now, or None (the run's budget decides:
-        ``Budget.graphs_room``). Nothing to size by before the first layer's graphs were measured."""
+        ``Budget.graphs_room``; ``stands_in``: recompute graphs). Nothing to size by before the first layer's graphs
+        were measured."""
         if self._layer_bytes is None or self._runner is None or self._runner.budget is None:
             return None
-        return self._runner.budget.graphs_room(layers * self._layer_bytes * bucket // self._layer_bucket)
+        return self._runner.budget.graphs_room(self._need(bucket, layers), stands_in=stands_in)
+
+    def _need(self, bucket: int, layers: int = 1) -> int:
+        return max(0, layers * (self._layer_bytes or 0) * bucket // self._layer_bucket)
+
+    def _give_back_cache(self, device: torch.device, bucket: int) -> None:
+        """Before recompute graphs that fit only without the allocator's cached blocks: give those back (the pool
+        stands in for what the eager recompute took from them)."""
+        budget = self._runner.budget if self._runner is not None else None
+        if device.type == "cuda" and budget is not None and budget.cache_in_the_way(self._need(bucket)):
+            torch.cuda.empty_cache()

@@ -16,7 +16,10 @@ every method says so (None), except where a test hands in its own ``readings``.
   above what is held between micro-batches scaled to the longest micro-batch (``scale``), the allocator's reserved
   memory counted where it is more (graph pools keep theirs reserved).
 - ``graphs_room(need)``: whether ``need`` more bytes of graph pools fit now; the pools' memory is reserved for good, so
-  the room is the limit less what is reserved, and the step's own peak above the present must stay free.
+  the room is the limit less what is reserved, and the step's own peak above the present must stay free. A pool
+  that stands in for the step's own eager allocations (checkpointed layers' recompute graphs: the recompute no
+  longer comes from the allocator's cache) counts from what tensors hold instead, the cache given back first
+  where it is in the way (``cache_in_the_way``).
 - ``crowded(need, in_use)``: whether a call that needs ``need`` more bytes would take the GPU past the margin (the tiled
   MLP's test; calls below ``COUNTS_FROM`` of the limit are never crowded).
 """
@@ -89,18 +92,23 @@ class Budget:
                            f"{MARGIN:.0%} and the {fmt_bytes(used)} the plan's peak comes to at the longest "
                            "micro-batch, reserved memory counted where it is more")
 
-    def graphs_room(self, need: int) -> Optional[str]:
-        """None when ``need`` more bytes of graph pools fit now; else why not, in words."""
+    def graphs_room(self, need: int, stands_in: bool = False) -> Optional[str]:
+        """None when ``need`` more bytes of graph pools fit now; else why not, in words. ``stands_in``: the pool
+        stands in for allocations the step makes from the allocator's cache, whose cached blocks then do not count."""
         readings = self.read()
         if readings is None:
             return None
         limit, peak, allocated = readings
-        reserved = max(gpu_reserved(self.device), allocated)
+        reserved = allocated if stands_in else max(gpu_reserved(self.device), allocated)
         headroom = max(MARGIN * limit, peak - allocated)  # what the step may still need beyond what it holds
         if limit - reserved - need < headroom:
             return (f"no memory for more graphs ({(limit - reserved) / 2**30:.1f} GiB not reserved, the graphs take "
                     f"~{need / 2**30:.2f} GiB and {headroom / 2**30:.1f} GiB stay free for the step)")
         return None
+
+    def cache_in_the_way(self, need: int) -> bool:
+        """Whether ``need`` bytes of a pool that stands in fit only once the allocator's cache is given back."""
+        return self.graphs_room(need, stands_in=True) is None and self.graphs_room(need) is not None
 
     def crowded(self, need: int, extra: int = 0) -> bool:
         """Whether ``need`` more bytes (plus ``extra`` that the call adds beside them) would take the GPU past
