@@ -12,7 +12,8 @@ graphed. Here they are forced, each mode as its default builds it on a GPU unles
   first optimizer step, that layer kept whole and the one before it with the MLP recomputed; layer 0 stays
   checkpointed and offloaded throughout (the room left is half its input).
 - ``offload_checkpointing=True``: 'auto' engages on CUDA only; on a CPU the same pack / unpack / prefetch code runs
-  with host buffers. Step 1 packs all four layers, then two, then one: idle host slots of several sizes.
+  with host buffers. From the first look on, the offloaded layers replay recompute graphs (``ops.recompute_graphs``),
+  whose saved input the offload packs. Step 1 packs all four layers, then two, then one: idle host slots of several sizes.
 - ``cuda_graphs``: built as on a GPU ('auto') but on ``layer_graphs.TapeBackend`` (Python frozen at capture, as on a
   GPU), through ``LAYER_MODES``.
 - ``tiled_mlp=True`` with tiles of 256 tokens: what 'auto' does where the MLP would crowd the card (step 1's rows
@@ -165,17 +166,19 @@ def test_the_default_path_under_a_budget_trains_as_plain_trl(tmp_path, one_threa
     # keeps that one whole and recomputes the MLP of the one before; layer 0 checkpointed and offloaded throughout
     assert seen["looks"] == ["first", "second"]
     assert seen["plans"] == [OFFLOADED, MLP_RECOMPUTED, KEPT, KEPT] and seen["kept"] == 3 and seen["added"] == 1
-    assert seen["line"] == f"{LAYERS} layers: 2 kept (2 graphed), 1 with the MLP recomputed, 1 offloaded"
-    assert f"{LAYERS} layers: 1 kept (1 graphed), 1 with the MLP recomputed, 2 offloaded" in caplog.text
+    assert seen["line"] == f"{LAYERS} layers: 2 kept (2 graphed), 1 with the MLP recomputed, 1 offloaded (1 graphed)"
+    assert f"{LAYERS} layers: 1 kept (1 graphed), 1 with the MLP recomputed, 2 offloaded (2 graphed)" in caplog.text
     assert fast.trainer.nbkit_layer_stats["plan"] == seen["line"]
     attached = fast.trainer.nbkit_attached
     assert any(name.startswith("cached_packing") for name in attached), attached
     for name in ("fused_lora", "tiled_mlp", "offload_checkpointing", "selective_checkpointing", "cuda_graphs"):
         assert name in attached, attached
-    # the kept layers replayed as graphs, in three buckets; the others ran eagerly, layer 0's input offloaded
+    # the kept layers replayed as graphs, in three buckets; layer 0 (and layer 1 until the second look) replayed its
+    # recompute graphs from the first look on, its input offloaded as under checkpoint; the MLP-recomputed one eagerly
     graphs = seen["runner"].graphs
     assert graphs.replays > 0 and set(graphs.eager) <= {"checkpointed layer"} and seen["buckets"] == [256, 384, 512]
     micro_batches = STEPS * ACCUMULATION  # the first packs every layer, the second two, then one
+    assert graphs.checkpointed_replays >= micro_batches - 1 and {i for i, _ in seen["recomputed"]} == {0, 1}
     assert seen["runner"].offload.stats.packs == LAYERS + 2 + (micro_batches - 2)
     # what raised before the pool took slots by identity: idle slots of several sizes, one taken from behind another
     hidden = fast.trainer.model.config.hidden_size

@@ -10,8 +10,8 @@ budget on them in that order of worth.
 - ``activations``: ``KEPT`` (nothing recomputed), ``MLP_RECOMPUTED`` (attention's activations kept, the MLP's
   recomputed in backward), ``CHECKPOINTED`` (only the layer's input kept, the layer recomputed), ``OFFLOADED``
   (checkpointed, its input in host memory);
-- ``graphed``: a kept layer replays its forward and backward as CUDA graphs; a checkpointed one its forward, its
-  recompute and its backward;
+- ``graphed``: a kept layer replays its forward and backward as CUDA graphs; a checkpointed one (offloaded or not)
+  its forward, its recompute and its backward;
 - ``dequantized``: its frozen 4-bit weights kept dequantized for the run.
 
 ``LayerCost``: bytes of one layer at the longest micro-batch, measured at step 1: what it keeps in each state, and
@@ -120,16 +120,14 @@ def describe(plans: Sequence[LayerPlan], weights_4bit: bool) -> str:
     4-bit"``."""
     count = {a: sum(p.activations == a for p in plans) for a in (KEPT, MLP_RECOMPUTED, CHECKPOINTED, OFFLOADED)}
     graphed = sum(p.graphed and p.activations == KEPT for p in plans)
-    recomputed = sum(p.graphed and p.activations == CHECKPOINTED for p in plans)
+    graphed_as = {a: sum(p.graphed and p.activations == a for p in plans) for a in (CHECKPOINTED, OFFLOADED)}
     parts = []
     if count[KEPT]:
         parts.append(f"{count[KEPT]} kept" + (f" ({graphed} graphed)" if graphed else ""))
     if count[MLP_RECOMPUTED]:
         parts.append(f"{count[MLP_RECOMPUTED]} with the MLP recomputed")
-    if count[CHECKPOINTED]:
-        parts.append(f"{count[CHECKPOINTED]} {CHECKPOINTED}" + (f" ({recomputed} graphed)" if recomputed else ""))
-    if count[OFFLOADED]:
-        parts.append(f"{count[OFFLOADED]} {OFFLOADED}")
+    parts += [f"{count[a]} {a}" + (f" ({graphed_as[a]} graphed)" if graphed_as[a] else "")
+              for a in (CHECKPOINTED, OFFLOADED) if count[a]]
     line = f"{len(plans)} layers: {', '.join(parts)}"
     if weights_4bit:
         dequantized = sum(p.dequantized for p in plans)

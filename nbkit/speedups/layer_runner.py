@@ -24,9 +24,10 @@ How a run goes:
   function transformers calls with it becomes ``run_as_is`` through the ledger, and the runner calls the user's
   checkpoint function (with its arguments) itself, for the layers its plan checkpoints. Step 1's plan is what the
   user asked: checkpointed layers checkpointed (offloaded where the offload mode engages at the first call), the
-  others kept (and graphed). Checkpointed layers are graphed from the first look on (step 1 measures them eagerly),
-  where the user's checkpoint function is torch's own (``torch.utils.checkpoint.checkpoint``, as transformers
-  installs it); offloaded layers and layers with the MLP recomputed run eagerly.
+  others kept (and graphed). Checkpointed layers, offloaded or not, are graphed from the first look on (step 1
+  measures them eagerly), where the user's checkpoint function is torch's own (``torch.utils.checkpoint.checkpoint``,
+  as transformers installs it): their graphs save the input as checkpoint does, and the offload packs it. Layers
+  with the MLP recomputed run eagerly.
 - Step 1 measures, in each checkpointed layer's recompute, what it saves for backward (a ``saved_tensors_hooks``
   pack hook chained before checkpoint's own, counting distinct storages that are not parameters; the MLP's share
   apart): what it would keep un-checkpointed, measured where it is held anyway, no value changed.
@@ -316,16 +317,19 @@ class LayerRunner:
                 if plan.graphed and self.graphs is not None:
                     return self.graphs.call(self, layer, hidden_states, args, kwargs)
                 return layer.original(hidden_states, *args, **kwargs)
+            graphed = None
             if plan.graphed and self.graphs is not None:
-                out = self.graphs.call_checkpointed(self, layer, hidden_states, args, kwargs)
-                if out is not None:
-                    return out
+                def graphed(x: torch.Tensor) -> Optional[torch.Tensor]:
+                    return self.graphs.call_checkpointed(self, layer, x, args, kwargs)
             function = layer.original
             if not self.planned and not layer.measured:
                 layer.tokens, layer.input = _tokens(hidden_states), hidden_states.numel() * hidden_states.element_size()
                 function = _Measure(self, layer, function)
             if plan.activations == OFFLOADED and self.offload is not None:
-                return self.offload.checkpoint(layer, function, hidden_states, args, kwargs)
+                return self.offload.checkpoint(layer, function, hidden_states, args, kwargs, graphed)
+            out = graphed(hidden_states) if graphed is not None else None
+            if out is not None:
+                return out
             return layer.checkpoint(functools.partial(function, **kwargs), hidden_states, *args)
 
         return forward
@@ -416,7 +420,7 @@ class LayerRunner:
         """Take ``plans``: kept layers graphed where the graphs mode runs, and checkpointed ones where torch's
         checkpoint is theirs; weights dequantized where newly planned."""
         graphs = self.graphs is not None
-        plans = [replace(p, graphed=graphs and (p.activations == KEPT or (p.activations == CHECKPOINTED
+        plans = [replace(p, graphed=graphs and (p.activations == KEPT or (p.activations in (CHECKPOINTED, OFFLOADED)
                                                                             and layer.graphable)))
                  for p, layer in zip(plans, self.layers)]
         for layer, old, new in zip(self.layers, self.plans, plans):

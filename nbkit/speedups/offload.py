@@ -96,11 +96,15 @@ def _arm_after_ffn(lane: _Lane, site: list, module: torch.nn.Module, args: tuple
 
 
 def _offloaded_checkpoint(owner: OffloadedCheckpointing, layer: Any, function: Callable, x: torch.Tensor,
-                          args: tuple, kwargs: dict) -> Any:
-    """One offloaded checkpointed call: non-reentrant checkpoint with the layer's input packed into the host pool."""
+                          args: tuple, kwargs: dict, graphed: Optional[Callable] = None) -> Any:
+    """One offloaded checkpointed call: non-reentrant checkpoint with the layer's input packed into the host pool.
+    ``graphed``: the layer's recompute graphs for this call (``x`` -> output, or None where they decline it), which
+    save the input alone as checkpoint does; then no MLP hook (a graph would not run it): the next input is
+    prefetched when this one is restored."""
     lane = owner._lane_for(x)
-    if lane is None:  # not this call: the user's checkpoint, untouched
-        return layer.checkpoint(functools.partial(function, **kwargs), x, *args)
+    if lane is None:  # not this call: the user's checkpoint, untouched (or the graphs that stand for it)
+        out = graphed(x) if graphed is not None else None
+        return out if out is not None else layer.checkpoint(functools.partial(function, **kwargs), x, *args)
     # The saved tensor keeps its pack hook alive: the hook must not keep the input alive, so it holds it in a list
     # that is emptied once the input is packed.
     target = [x]
@@ -119,13 +123,17 @@ def _offloaded_checkpoint(owner: OffloadedCheckpointing, layer: Any, function: C
             owner.stats.kept += 1
         return t
 
-    # Scoped to this call: the recompute (in backward) runs without it.
     handle = None
-    if layer.mlp is not None and lane.nbuf > 1:
-        handle = layer.mlp.register_forward_pre_hook(functools.partial(_arm_after_ffn, lane, site), with_kwargs=True)
     ckpt_kwargs = owner._ckpt_kwargs.get(id(layer), {"use_reentrant": False})
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            out = graphed(x) if graphed is not None else None
+            if out is not None:
+                return out
+            # Scoped to this call: the recompute (in backward) runs without it.
+            if layer.mlp is not None and lane.nbuf > 1:
+                handle = layer.mlp.register_forward_pre_hook(functools.partial(_arm_after_ffn, lane, site),
+                                                             with_kwargs=True)
             # the layer's kwargs bound as transformers binds them: never saved, and never read as checkpoint's own
             return torch_checkpoint(functools.partial(function, **kwargs), x, *args, **ckpt_kwargs)
     finally:
@@ -239,9 +247,11 @@ class OffloadedCheckpointing:
                       f"{x.device} (threshold {self.min_bytes / _MiB:.0f} MiB)", logging.INFO)
         return bool(self._decided)
 
-    def checkpoint(self, layer: Any, function: Callable, x: torch.Tensor, args: tuple, kwargs: dict) -> Any:
-        """Run ``function`` (the layer's forward) checkpointed, its input ``x`` offloaded."""
-        return _offloaded_checkpoint(self, layer, function, x, args, kwargs)
+    def checkpoint(self, layer: Any, function: Callable, x: torch.Tensor, args: tuple, kwargs: dict,
+                   graphed: Optional[Callable] = None) -> Any:
+        """Run ``function`` (the layer's forward) checkpointed, or ``graphed`` (its recompute graphs, where they
+        take the call), its input ``x`` offloaded."""
+        return _offloaded_checkpoint(self, layer, function, x, args, kwargs, graphed)
 
     def release(self) -> None:
         """The runner detaches: free the host pool and the GPU buffers."""
