@@ -227,8 +227,14 @@ class GraphedLayer:
         with self._stand_ins():
             return torch.autograd.grad(out, self.inputs, grad_outputs=self.grad_out, allow_unused=True)
 
-    def capture_forward(self) -> None:
+    def warm_up(self) -> None:
+        """One eager forward and backward on the capture's stream: kernels compiled, workspaces made."""
         self.backend.warm_up(lambda: self._grad(self._run(self.static_kwargs())), self.x.device)
+
+    def capture_forward(self, warm: bool = True) -> None:
+        """``warm``: warm up first (False: a layer of the same shapes was warmed up just before)."""
+        if warm:
+            self.warm_up()
         kwargs = self.static_kwargs()
         graph = self.backend.new_graph()
         with self.backend.capturing(graph, self.pool):

@@ -62,10 +62,14 @@ class RecomputedLayer:
         self.x = shared.x
         self.fwd: Any = None
 
-    def capture_forward(self) -> None:
-        """The forward without grad (its output copied into the shared output), in layer order."""
+    def capture_forward(self, warm: bool = True) -> None:
+        """The forward without grad (its output copied into the shared output), in layer order. ``warm``: warm up
+        its forward and backward first; the layers after the first of a capture call, of the same shapes, need not
+        (each warm-up is a whole eager step of the layer)."""
         graphed = self.graphed
-        graphed.backend.warm_up(lambda: graphed._run(graphed.static_kwargs(), grad=False), self.x.device)
+        if warm:
+            graphed.warm_up()
+            graphed.backend.warm_up(lambda: graphed._run(graphed.static_kwargs(), grad=False), self.x.device)
         kwargs = graphed.static_kwargs()
         graph = graphed.backend.new_graph()
         with graphed.backend.capturing(graph, graphed.pool):
@@ -76,7 +80,7 @@ class RecomputedLayer:
         """The recompute and the backward, after every layer's forward, in reverse layer order. Returns the bytes
         the recompute's capture held (by ``in_use``, the device's bytes in use; 0 without it)."""
         before = in_use() if in_use is not None else 0
-        self.graphed.capture_forward()
+        self.graphed.capture_forward(warm=False)
         held = in_use() - before if in_use is not None else 0
         self.graphed.capture_backward()
         return held

@@ -520,7 +520,7 @@ class CudaGraphs:
                         self._give_back_cache(x.device, bucket - self._recompute_tokens)
                     graphs = RecomputedLayer(layer, record.original, self._shared_buffers(bucket, x, x_grad),
                                              static_kwargs, shared.grad_out, self.backend, pools[keep], label=label)
-                    graphs.capture_forward()
+                    graphs.capture_forward(warm=not recomputed)
                     recomputed.append(graphs)
                 captured.append((i, graphs))
                 x_grad = x_grad or bool(graphs.trainable)
