@@ -255,6 +255,29 @@ def test_another_layer_is_captured_only_while_the_step_keeps_its_headroom(monkey
     assert graphs._memory_problem(torch.device("cpu"), 4096) is None
 
 
+def test_recompute_graphs_are_sized_by_the_plan_and_count_from_what_tensors_hold(monkeypatch):
+    """A checkpointed layer's recompute graphs hold one layer's activations in one pool for the run: sized by the
+    plan's measured cost of keeping a layer (at its longest micro-batch) scaled to the tokens the pool grows by, and
+    counted from what tensors hold, not what the allocator reserved: the pool stands in for the eager recompute's
+    allocations, and the cached blocks are given back first where they are in the way."""
+    from nbkit.speedups.layer_plan import UNSIZED, LayerCost
+
+    gib = 2**30
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: 30 * gib)  # the cache holds 10 GiB
+    runner = LayerRunner()
+    runner.budget = Budget(cuda, readings=lambda device: (32 * gib, 25 * gib, 20 * gib))
+    graphs = CudaGraphs(mode=True)
+    graphs._runner = runner
+    assert graphs._memory_problem(cuda, 4096, stands_in=True) is None  # nothing measured yet: nothing to size by
+    runner.costs, runner.max_tokens = [LayerCost(4 * gib, 2 * gib, 0), LayerCost(UNSIZED, UNSIZED, 0)], 4096
+    assert graphs._recompute_need(1024) == 1 * gib  # the largest measured layer, at a quarter of its tokens
+    assert graphs._memory_problem(cuda, 1024, stands_in=True) is None  # 32 - 20 - 1 >= max(3.2, 5)
+    assert graphs._memory_problem(cuda, 1024) is None  # kept graphs: sized by what graphs measured (none yet)
+    assert runner.budget.cache_in_the_way(graphs._recompute_need(1024))  # 32 - 30 - 1 < 5: the cache goes first
+    assert "no memory" in graphs._memory_problem(cuda, 8192, stands_in=True)  # 32 - 20 - 8 < 5
+
+
 def _attached(model, graphs):
     for s in (graphs.packed, FusedLoRA(), graphs):
         assert s.attach(model)

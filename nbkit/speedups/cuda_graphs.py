@@ -78,7 +78,7 @@ from ..ops.varlen_attention import KERNEL_FNS, PackedRun
 from ..say_once import SayOnce
 from ..settings import check_value
 from .graph_buckets import BUCKETS, DROPPED_KWARGS, TOKENWISE_KWARGS, BucketMetadata, bucket_for, doc_capacity, rope_key
-from .layer_plan import KEPT
+from .layer_plan import KEPT, UNSIZED
 
 if TYPE_CHECKING:
     from .packed_attention import PackedAttention
@@ -566,18 +566,31 @@ class CudaGraphs:
     def _memory_problem(self, device: torch.device, bucket: int, layers: int = 1,
                         stands_in: bool = False) -> Optional[str]:
         """Why ``layers`` more layers' graphs at ``bucket`` tokens do not fit now, or None (the run's budget decides:
-        ``Budget.graphs_room``; ``stands_in``: recompute graphs). Nothing to size by before the first layer's graphs
-        were measured."""
-        if self._layer_bytes is None or self._runner is None or self._runner.budget is None:
+        ``Budget.graphs_room``; ``stands_in``: recompute graphs, one layer's activations at ``bucket`` tokens). Nothing
+        to size by before the first layer's graphs were measured, or the plan measured its layers."""
+        if self._runner is None or self._runner.budget is None:
             return None
-        return self._runner.budget.graphs_room(self._need(bucket, layers), stands_in=stands_in)
+        need = self._recompute_need(bucket) if stands_in else self._need(bucket, layers)
+        return None if need is None else self._runner.budget.graphs_room(need, stands_in=stands_in)
 
-    def _need(self, bucket: int, layers: int = 1) -> int:
-        return max(0, layers * (self._layer_bytes or 0) * bucket // self._layer_bucket)
+    def _need(self, bucket: int, layers: int = 1) -> Optional[int]:
+        if self._layer_bytes is None:
+            return None
+        return max(0, layers * self._layer_bytes * bucket // self._layer_bucket)
+
+    def _recompute_need(self, tokens: int) -> Optional[int]:
+        """One layer's activations at ``tokens``: the plan's measured cost of keeping a layer (at its longest
+        micro-batch), else what the graphs measured."""
+        runner = self._runner
+        sized = [c.kept for c in getattr(runner, "costs", ()) if c.kept < UNSIZED]
+        if sized and getattr(runner, "max_tokens", 0):
+            return max(0, max(sized) * tokens // runner.max_tokens)
+        return self._need(tokens)
 
     def _give_back_cache(self, device: torch.device, bucket: int) -> None:
         """Before recompute graphs that fit only without the allocator's cached blocks: give those back (the pool
         stands in for what the eager recompute took from them)."""
         budget = self._runner.budget if self._runner is not None else None
-        if device.type == "cuda" and budget is not None and budget.cache_in_the_way(self._need(bucket)):
+        need = self._recompute_need(bucket)
+        if device.type == "cuda" and budget is not None and need is not None and budget.cache_in_the_way(need):
             torch.cuda.empty_cache()

@@ -36,6 +36,7 @@ KEPT = "kept"
 MLP_RECOMPUTED = "MLP recomputed"
 CHECKPOINTED = "checkpointed"
 OFFLOADED = "offloaded"
+UNSIZED = 1 << 62  # the cost of keeping a layer nothing measured: more than any budget
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ from torch.utils.checkpoint import checkpoint
 from ..model_parts import decoder_layers, unwrap_model
 from ..say_once import SayOnce
 from .layer_budget import Budget
-from .layer_plan import CHECKPOINTED, KEPT, MLP_RECOMPUTED, OFFLOADED, Allowed, LayerCost, LayerPlan, describe, spend
+from .layer_plan import CHECKPOINTED, KEPT, MLP_RECOMPUTED, OFFLOADED, UNSIZED, Allowed, LayerCost, LayerPlan, describe, spend
 from .ledger import PatchLedger
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,6 @@ def _torch_checkpoint(function: Optional[Callable]) -> bool:
     return isinstance(function, functools.partial) and function.func is checkpoint and not function.args
 
 
-_UNSIZED = 1 << 62  # the cost of keeping a layer nothing measured: more than any budget
 FFN_NAMES = ("mlp", "feed_forward", "block_sparse_moe")  # a decoder layer's feed-forward submodule, by family
 
 
@@ -369,7 +368,7 @@ class LayerRunner:
             weights = self.dequant.bytes_of(layer) if self.dequant is not None else 0
             source = layer if layer.measured and layer.tokens else worst
             if source is None:  # nothing measured (no backward ran): a checkpointed layer is never kept unsized
-                unsized = _UNSIZED if layer.checkpointed else 0
+                unsized = UNSIZED if layer.checkpointed else 0
                 costs.append(LayerCost(unsized, unsized, 0, weights))
                 continue
             scale = self.max_tokens / source.tokens
