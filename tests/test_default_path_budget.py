@@ -7,8 +7,9 @@ an L4 takes never run together: layers still checkpointed after step 1 (their in
 whose idle slots then differ in size as rows vary) beside layers kept whole, kept with the MLP recomputed, and
 graphed. Here they are forced, each mode as its default builds it on a GPU unless said:
 
-- ``selective_checkpointing=True`` with the budget's two looks replaced (``Budget.first_look`` / ``second_look``):
-  the first holds the last layer kept whole and the one before it with the MLP recomputed; the second, after the
+- ``selective_checkpointing=True`` with the budget's two looks replaced (``Budget.first_look`` / ``second_look``),
+  each with what the checkpointed layers' graphs will hold on top (the plan holds that back): the first holds the
+  last layer kept whole and the one before it with the MLP recomputed; the second, after the
   first optimizer step, that layer kept whole and the one before it with the MLP recomputed; layer 0 stays
   checkpointed and offloaded throughout (the room left is half its input).
 - ``offload_checkpointing=True``: 'auto' engages on CUDA only; on a CPU the same pack / unpack / prefetch code runs
@@ -72,15 +73,21 @@ def rows(vocab: int):
 def _looks(monkeypatch, seen: dict[str, Any]) -> None:
     """The budget's two looks, sized from the runner's measured costs (see the module docstring)."""
 
+    def held_back() -> int:  # what the checkpointed layers' graphs will hold: the plan leaves it free
+        runner = seen["runner"]
+        reserve = runner.graphs.recompute_reserve(runner)
+        seen.setdefault("reserves", []).append(reserve)
+        return reserve
+
     def first(budget: Budget) -> Look:
         c = seen["runner"].costs
         seen["looks"].append("first")
-        return Look(c[3].kept + c[2].mlp_recomputed + c[1].input // 2, "test")
+        return Look(c[3].kept + c[2].mlp_recomputed + c[1].input // 2 + held_back(), "test")
 
     def second(budget: Budget, scale: float) -> Look:
         c = seen["runner"].costs
         seen["looks"].append("second")
-        return Look(c[2].kept - c[2].mlp_recomputed + c[1].mlp_recomputed + c[0].input // 2, "test")
+        return Look(c[2].kept - c[2].mlp_recomputed + c[1].mlp_recomputed + c[0].input // 2 + held_back(), "test")
 
     monkeypatch.setattr(Budget, "first_look", first)
     monkeypatch.setattr(Budget, "second_look", second)
@@ -179,6 +186,8 @@ def test_the_default_path_under_a_budget_trains_as_plain_trl(tmp_path, one_threa
     assert graphs.replays > 0 and set(graphs.eager) <= {"checkpointed layer"} and seen["buckets"] == [256, 384, 512]
     micro_batches = STEPS * ACCUMULATION  # the first packs every layer, the second two, then one
     assert graphs.checkpointed_replays >= micro_batches - 1 and {i for i, _ in seen["recomputed"]} == {0, 1}
+    # the first look held back the recompute graphs' pool, buffers and gradients; by the second they existed
+    assert seen["reserves"][0] > seen["reserves"][1] >= 0 and "held back for the checkpointed layers' graphs" in caplog.text
     assert seen["runner"].offload.stats.packs == LAYERS + 2 + (micro_batches - 2)
     # what raised before the pool took slots by identity: idle slots of several sizes, one taken from behind another
     hidden = fast.trainer.model.config.hidden_size

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from nbkit.ops.layer_graphs import TapeBackend
+from nbkit.ops.layer_graphs import TapeBackend, trainable_parameters
 from nbkit.ops.recompute_graphs import RecomputedLayer, Shared, replay_checkpointed
 
 HIDDEN, TOKENS, LAYERS = 8, 12, 4
@@ -33,14 +33,15 @@ class Block(torch.nn.Module):
         return x + self.down(torch.nn.functional.silu(self.up(x)) * extra)
 
 
-def capture_stack(blocks: list[Block], extra: torch.Tensor, backend, pool=None) -> list[RecomputedLayer]:
+def capture_stack(blocks: list[Block], extra: torch.Tensor, backend, pool=None, grads=None) -> list[RecomputedLayer]:
     """The blocks' graphs at ``extra``'s tokens in ``pool`` (default a new one), in the order they replay in (as
-    ``cuda_graphs`` captures a bucket)."""
+    ``cuda_graphs`` captures a bucket); ``grads``: each block's parameter-gradient buffers (default the pool's)."""
     device, hidden, tokens = extra.device, blocks[0].up.in_features, extra.shape[1]
     shared = Shared.make((1, tokens, hidden), torch.float32, device, x_grad=True)
     grad_out = torch.zeros(1, tokens, hidden, device=device)
     pool = backend.pool() if pool is None else pool
-    layers = [RecomputedLayer(b, b.forward, shared, lambda: {"extra": extra}, grad_out, backend, pool, f"block {i}")
+    layers = [RecomputedLayer(b, b.forward, shared, lambda: {"extra": extra}, grad_out, backend, pool, f"block {i}",
+                              grads_into=grads[i] if grads is not None else None)
               for i, b in enumerate(blocks)]
     for layer in layers:
         layer.capture_forward()
@@ -55,12 +56,14 @@ def _stack(device: str, seed: int = 0, hidden: int = HIDDEN) -> list[Block]:
 
 
 def check_buckets_sharing_one_pool_train_as_checkpointed_blocks(backend, device):
-    """Two buckets' stacks in one pool, their rows alternating (the second bucket's captured after the first's):
-    outputs and gradients as checkpoint's, step after step."""
+    """Two buckets' stacks in one pool, their rows alternating (the second bucket's captured after the first's), each
+    block's parameter gradients in buffers both buckets' graphs share: outputs and gradients as checkpoint's, step
+    after step."""
     blocks = _stack(device)
     pool = backend.pool()
+    grads = [[torch.zeros_like(p) for p in trainable_parameters(b)] for b in blocks]
     extras = {n: torch.randn(1, n, 2 * HIDDEN, device=device) for n in (TOKENS, 2 * TOKENS)}
-    stacks = {n: capture_stack(blocks, extra, backend, pool) for n, extra in extras.items()}
+    stacks = {n: capture_stack(blocks, extra, backend, pool, grads) for n, extra in extras.items()}
     for step, tokens in enumerate((TOKENS, 2 * TOKENS - 3, TOKENS - 5, TOKENS + 1, 3)):
         bucket = TOKENS if tokens <= TOKENS else 2 * TOKENS
         extra, layers = extras[bucket], stacks[bucket]

@@ -40,7 +40,7 @@ through these backends, so the CPU tests drive each captured path on tapes.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -171,24 +171,33 @@ class TapeBackend:
 # one layer's graphs
 
 
+def trainable_parameters(module: torch.nn.Module) -> tuple:
+    """A module's trainable parameters, each once, in the order its graphs return their gradients."""
+    return tuple({id(p): p for m in module.modules() for p in m._parameters.values()
+                  if p is not None and p.requires_grad}.values())
+
+
 class GraphedLayer:
     """One module's forward and backward graphs: static input, static output, static gradients."""
 
     def __init__(self, module: torch.nn.Module, forward_fn: Callable[..., Any], like: torch.Tensor, x_grad: bool,
                  static_kwargs: Callable[[], dict], grad_out: torch.Tensor, backend: Any, pool: Any,
-                 label: str = "layer", shared: Optional[Shared] = None) -> None:
+                 label: str = "layer", shared: Optional[Shared] = None,
+                 grads_into: Optional[Sequence[torch.Tensor]] = None) -> None:
         """``like``: a tensor of the static input's shape, dtype and device; ``grad_out``: the static buffer the
         incoming gradient is copied into (it may be shared by layers that replay one after another). ``shared``:
         static input, output and input gradient shared with other layers whose forward and backward replay back to
         back (``RecomputedLayer``); then the output and the input's gradient are copied into them inside the graphs,
-        and the pool keeps nothing of this layer between replays but its parameters' gradients."""
+        and the pool keeps nothing of this layer between replays but its parameters' gradients; ``grads_into``:
+        buffers (one per trainable parameter, in ``trainable``'s order) the parameters' gradients are copied into
+        instead, so that not even those stay in the pool (several buckets' graphs of one layer share them)."""
         self.forward_fn, self.static_kwargs, self.grad_out = forward_fn, static_kwargs, grad_out
-        self.backend, self.pool, self.label, self.shared = backend, pool, label, shared
+        self.backend, self.pool, self.label, self.shared, self.grads_into = backend, pool, label, shared, grads_into
         slots = [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None and p.requires_grad]
         stand_ins: dict[int, torch.nn.Parameter] = {}
         for _, _, p in slots:
             stand_ins.setdefault(id(p), torch.nn.Parameter(p.detach(), requires_grad=True))
-        self.trainable = tuple({id(p): p for _, _, p in slots}.values())
+        self.trainable = trainable_parameters(module)
         self._slots = [(m, n, p, stand_ins[id(p)]) for m, n, p in slots]
         self.x = shared.x if shared is not None else \
             torch.zeros(like.shape, dtype=like.dtype, device=like.device, requires_grad=x_grad)
@@ -249,8 +258,13 @@ class GraphedLayer:
             if self.shared is not None and self.x.requires_grad:
                 self.shared.grad_x.copy_(grads[0])
                 grads = (self.shared.grad_x, *grads[1:])  # this layer's own copy goes back to the pool
+            unreached = sum(g is None for g in grads[len(self.inputs) - len(self.trainable):])
+            if self.grads_into is not None and not unreached:
+                first = len(self.inputs) - len(self.trainable)
+                for buffer, g in zip(self.grads_into, grads[first:]):
+                    buffer.copy_(g)
+                grads = (*grads[:first], *self.grads_into)
         self._captured_out = None
-        unreached = sum(g is None for g in grads[len(self.inputs) - len(self.trainable):])
         if unreached:
             raise UnreachedParameters(f"{unreached} trainable parameter(s) of {self.label} get no gradient through "
                                       "its modules (something holds them by reference)")

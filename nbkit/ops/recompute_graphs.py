@@ -10,11 +10,11 @@ How: the graphs of the checkpointed layers share one pool, captured in the order
 forward in layer order, then, layer by layer in reverse, its recompute and its backward. A recompute's activations
 are freed by its backward before the next layer's recompute is captured, so the pool holds one layer's activations,
 not one per layer. The static input, output and input gradient are ``Shared`` by the layers of a bucket (they replay
-one at a time) and copied into inside the graphs, so no layer's own output stays in the pool. What a layer keeps in
-the pool between its replays is its parameters' gradients (LoRA's: small), allocated at capture and never freed.
-So between any two replays nothing the pool's graphs wrote is alive but those: graphs of several captures (other
-buckets, layers captured later) can share the pool and replay in any order, except a recompute and its backward,
-which replay back to back.
+one at a time) and copied into inside the graphs, so no layer's own output stays in the pool; its parameters'
+gradients likewise go into buffers of the layer's own (``grads_into``), shared by its graphs of every bucket. So
+between any two replays nothing the pool's graphs wrote is alive: graphs of several captures (other buckets, layers
+captured later) can share the pool and replay in any order, except a recompute and its backward, which replay back
+to back.
 
 Contract: the losses and gradients of non-reentrant checkpointing up to rounding (the recompute is the forward's own
 graph, captured with grad). What backward needs is the layer's input, saved by ``save_for_backward`` (so
@@ -26,7 +26,7 @@ the pool.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -54,10 +54,12 @@ class RecomputedLayer:
 
     def __init__(self, module: torch.nn.Module, forward_fn: Callable[..., Any], shared: Shared,
                  static_kwargs: Callable[[], dict], grad_out: torch.Tensor, backend: Any, pool: Any,
-                 label: str = "layer") -> None:
+                 label: str = "layer", grads_into: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """``grads_into``: the layer's parameter-gradient buffers, shared by its graphs of every bucket (default:
+        its graphs' own, in the pool)."""
         self.shared = shared
         self.graphed = GraphedLayer(module, forward_fn, shared.x, shared.x.requires_grad, static_kwargs, grad_out,
-                                    backend, pool, label, shared=shared)
+                                    backend, pool, label, shared=shared, grads_into=grads_into)
         self.trainable = self.graphed.trainable
         self.x = shared.x
         self.fwd: Any = None

@@ -72,7 +72,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..memory import fmt_bytes, gpu_in_use, gpu_reserved
-from ..ops.layer_graphs import CudaGraphBackend, GraphedLayer, UnreachedParameters, replay
+from ..ops.layer_graphs import CudaGraphBackend, GraphedLayer, UnreachedParameters, replay, trainable_parameters
 from ..ops.recompute_graphs import RecomputedLayer, Shared, replay_checkpointed
 from ..ops.varlen_attention import KERNEL_FNS, PackedRun
 from ..say_once import SayOnce
@@ -231,6 +231,7 @@ class CudaGraphs:
         self._buffers: dict[tuple, Shared] = {}  # recomputed layers' static buffers, by bucket, dtype, x's grad
         self._recompute_pool: Any = None  # every recomputed layer's graphs, whatever the bucket (recompute_graphs)
         self._recompute_tokens = 0  # the largest bucket captured in it
+        self._grads: dict[int, list[torch.Tensor]] = {}  # a recomputed layer's parameter gradients, every bucket's
         self._shared: dict[int, BucketMetadata] = {}  # by bucket
         self._plan_run: Optional[PackedRun] = None
         self._plan_of_run: Union[Eager, Variant, None] = None
@@ -518,8 +519,11 @@ class CudaGraphs:
                 else:
                     if not recomputed:
                         self._give_back_cache(x.device, bucket - self._recompute_tokens)
+                    if i not in self._grads:
+                        self._grads[i] = [torch.zeros_like(p) for p in trainable_parameters(layer)]
                     graphs = RecomputedLayer(layer, record.original, self._shared_buffers(bucket, x, x_grad),
-                                             static_kwargs, shared.grad_out, self.backend, pools[keep], label=label)
+                                             static_kwargs, shared.grad_out, self.backend, pools[keep], label=label,
+                                             grads_into=self._grads[i])
                     graphs.capture_forward(warm=not recomputed)
                     recomputed.append(graphs)
                 captured.append((i, graphs))
@@ -586,6 +590,26 @@ class CudaGraphs:
         if sized and getattr(runner, "max_tokens", 0):
             return max(0, max(sized) * tokens // runner.max_tokens)
         return self._need(tokens)
+
+    def recompute_reserve(self, runner: Any) -> int:
+        """Bytes the checkpointed layers' graphs will still hold for good, for the plan to leave free (their pool
+        is not the step's to spend): one layer's activations at the largest bucket the run's micro-batches reach,
+        above what the pool holds already; each graphable checkpointed layer's parameter-gradient buffers not made
+        yet; the buckets' shared input, output and input-gradient buffers not made yet. Sized by the plan's
+        measurements (``runner.costs`` at ``runner.max_tokens``); 0 before them."""
+        sized = [c for c in runner.costs if c.kept < UNSIZED]
+        layers = [layer for layer in runner.layers if layer.checkpointed and layer.graphable]
+        if self._runner is not runner or not sized or not layers or not runner.max_tokens:
+            return 0
+        top = bucket_for(runner.max_tokens, self.max_tokens) or max(
+            (b for b in BUCKETS if b <= self.max_tokens), default=0)
+        activations = max(c.kept for c in sized) * max(0, top - self._recompute_tokens) // runner.max_tokens
+        grads = sum(p.numel() * p.element_size() for layer in layers if layer.index not in self._grads
+                    for p in trainable_parameters(layer.module))
+        made = {key[0] for key in self._buffers}
+        per_token = max(c.input for c in sized) / runner.max_tokens
+        buffers = int(3 * per_token * sum(b for b in BUCKETS if b <= top and b not in made))
+        return activations + grads + buffers
 
     def _give_back_cache(self, device: torch.device, bucket: int) -> None:
         """Before recompute graphs that fit only without the allocator's cached blocks: give those back (the pool

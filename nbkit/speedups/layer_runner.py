@@ -55,7 +55,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..model_parts import decoder_layers, unwrap_model
 from ..say_once import SayOnce
-from .layer_budget import Budget
+from .layer_budget import Budget, Look
 from .layer_plan import CHECKPOINTED, KEPT, MLP_RECOMPUTED, OFFLOADED, UNSIZED, Allowed, LayerCost, LayerPlan, describe, spend
 from .ledger import PatchLedger
 
@@ -385,7 +385,7 @@ class LayerRunner:
     def _first_look(self) -> None:
         self.planned = True
         self.costs = self._layer_costs()
-        look = self.budget.first_look() if self.budget is not None else None
+        look = self._held_back(self.budget.first_look() if self.budget is not None else None)
         forced = (self.keep is not None and self.keep.mode is True) or \
             (self.dequant is not None and self.dequant.mode is True)
         budget = look.spend if look is not None else (sum(c.kept + c.weights for c in self.costs) if forced else 0)
@@ -397,6 +397,15 @@ class LayerRunner:
         why = look.why if look is not None else "no memory counters on this device: as the modes force"
         self._say_plan("first", why)
 
+    def _held_back(self, look: Optional[Look]) -> Optional[Look]:
+        """``look`` less what the checkpointed layers' graphs will hold for good (``CudaGraphs.recompute_reserve``):
+        one budget for the activations the plan keeps and the graphs' pool."""
+        reserve = self.graphs.recompute_reserve(self) if look is not None and self.graphs is not None else 0
+        if not reserve:
+            return look
+        return Look(max(0, look.spend - reserve), f"{look.why}, less {reserve / 2**30:.2f} GiB held back for the "
+                    "checkpointed layers' graphs")
+
     def _more_to_plan(self) -> bool:
         """Whether a later look could upgrade a layer: activations not all kept, or weights left 4-bit."""
         allowed = self._allowed()
@@ -407,7 +416,7 @@ class LayerRunner:
         self._second_pending = False
         before = self.kept
         scale = self.max_tokens / self._longest if self._longest else 1.0
-        look = self.budget.second_look(scale) if self.budget is not None else None
+        look = self._held_back(self.budget.second_look(scale) if self.budget is not None else None)
         if look is None:
             self.added = 0
             return
