@@ -61,6 +61,7 @@ class FastSFTConfig(SFTConfig):
     offload_max_host_bytes: Optional[int] = config_field("offload_max_host_bytes")
     selective_checkpointing: AutoBool = config_field("selective_checkpointing")
     cuda_graphs: AutoBool = config_field("cuda_graphs")
+    cuda_graphs_checkpointed: bool = config_field("cuda_graphs_checkpointed")
     fast_moe_routing: bool = config_field("fast_moe_routing")
     fused_lora: bool = config_field("fused_lora")
     expandable_segments: AutoBool = config_field("expandable_segments")

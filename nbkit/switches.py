@@ -113,21 +113,30 @@ SWITCHES: tuple[Switch, ...] = (
     ),
     Switch(
         "cuda_graphs", "auto", values=AUTO_BOOL,
-        summary="Dense decoder layers replay as CUDA graphs (checkpointed ones too): short rows skip Python's launches.",
+        summary="Un-checkpointed dense layers replay forward and backward as CUDA graphs: short rows skip Python's launches.",
         help="Replay each decoder layer the layer plan keeps whole (every layer without gradient checkpointing, or those "
         "selective_checkpointing keeps) as one CUDA graph in the forward and one in the backward, so short rows are "
-        "not bound by Python's kernel launches; a layer left checkpointed (after the first step, with torch's own "
-        "checkpoint, its input on the GPU) replays its forward, and in the backward its recompute and backward, as "
-        "graphs that keep only its input, all such layers' graphs in one memory pool. Micro-batches are padded up to "
-        "buckets of 256 to 8,192 tokens (the padding is one more document, with a zero gradient), one set of graphs "
-        "per bucket, captured at its first use (the step after the first: about a second). Needs cached_packing with "
-        "the varlen or flash_attn kernel; dense models only (not MoE), no dropout, no hooks inside the layers; "
-        "anything else runs eagerly, said once. 'auto': on CUDA for buckets where a layer's parameters x tokens stay "
-        "below 6e11 (larger layers keep the GPU busy anyway: a 14B model's 4K rows were 10 percent slower graphed; "
-        "BENCHMARKS.md, cuda_graphs); True: every bucket. Same losses and gradients as the eager layers up to "
+        "not bound by Python's kernel launches (checkpointed layers too with cuda_graphs_checkpointed). Micro-batches "
+        "are padded up to buckets of 256 to 8,192 tokens (the padding is one more document, with a zero gradient), one "
+        "set of graphs per bucket, captured at its first use (the step after the first: about a second). Needs "
+        "cached_packing with the varlen or flash_attn kernel; dense models only (not MoE), no dropout, no hooks inside "
+        "the layers; anything else runs eagerly, said once. 'auto': on CUDA for buckets where a layer's parameters x "
+        "tokens stay below 6e11 (larger layers keep the GPU busy anyway: a 14B model's 4K rows were 10 percent slower "
+        "graphed; BENCHMARKS.md, cuda_graphs); True: every bucket. Same losses and gradients as the eager layers up to "
         "rounding, under gradient accumulation, several micro-batch shapes per step and the tiled MLP (the GPU parity "
         "matrix, BENCHMARKS.md, Parity of the defaults); a layer whose capture would not be exact (other position "
         "embeddings than the captured ones, a trainable parameter the graph does not reach) stays eager.",
+    ),
+    Switch(
+        "cuda_graphs_checkpointed", False, values=(True, False),
+        summary="Checkpointed layers replay forward, recompute and backward as CUDA graphs too (experimental).",
+        help="With cuda_graphs on, also replay each decoder layer the plan leaves checkpointed (offloaded or not; after the "
+        "first step, under torch's own checkpoint function) as CUDA graphs: its forward without grad, and in the "
+        "backward its recompute and backward back to back, keeping only its input as checkpointing does; all such "
+        "layers' graphs share one memory pool that holds one layer's activations, and the plan holds that pool back "
+        "from what it spends. Same losses and gradients as checkpointing up to rounding (tests/gpu). Off by default: "
+        "on the Qwen3-14B shape capped at 15 GiB in fp16 (a T4's memory) it ran out of memory at the second step, "
+        "where the default path fits (BENCHMARKS.md, run 25).",
     ),
     Switch(
         "fast_moe_routing", True,

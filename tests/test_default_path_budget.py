@@ -13,8 +13,7 @@ graphed. Here they are forced, each mode as its default builds it on a GPU unles
   first optimizer step, that layer kept whole and the one before it with the MLP recomputed; layer 0 stays
   checkpointed and offloaded throughout (the room left is half its input).
 - ``offload_checkpointing=True``: 'auto' engages on CUDA only; on a CPU the same pack / unpack / prefetch code runs
-  with host buffers. From the first look on, the offloaded layers replay recompute graphs (``ops.recompute_graphs``),
-  whose saved input the offload packs. Step 1 packs all four layers, then two, then one: idle host slots of several sizes.
+  with host buffers. Step 1 packs all four layers, then two, then one: idle host slots of several sizes.
 - ``cuda_graphs``: built as on a GPU ('auto') but on ``layer_graphs.TapeBackend`` (Python frozen at capture, as on a
   GPU), through ``LAYER_MODES``.
 - ``tiled_mlp=True`` with tiles of 256 tokens: what 'auto' does where the MLP would crowd the card (step 1's rows
@@ -41,6 +40,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import pytest
 import torch
 from parity import Tol, add_lora, assert_same_run, fast_sft, tiny_lm, train
 
@@ -118,9 +118,11 @@ def _recorded(spec: SpeedupSpec, seen: dict[str, Any]) -> SpeedupSpec:
     return SpeedupSpec(spec.name, spec.stage, build, spec.switched)
 
 
-def _run(tmp_path, monkeypatch, fast: bool, pool_calls: list, offload: bool = True) -> tuple[Any, dict[str, Any]]:
-    """One run: FastSFT with the forced default path (``fast``; ``offload``: offload_checkpointing=True, else off),
-    else TRL's SFTTrainer; the run and what the layer runner did (read before the trainer detaches it)."""
+def _run(tmp_path, monkeypatch, fast: bool, pool_calls: list, offload: bool = True,
+         **switches: Any) -> tuple[Any, dict[str, Any]]:
+    """One run: FastSFT with the forced default path (``fast``; ``offload``: offload_checkpointing=True, else off;
+    ``switches``: more of FastSFT's), else TRL's SFTTrainer; the run and what the layer runner did (read before the
+    trainer detaches it)."""
     from nbkit.demo.tokenizer import load_demo_tokenizer
 
     tokenizer = load_demo_tokenizer()
@@ -139,7 +141,8 @@ def _run(tmp_path, monkeypatch, fast: bool, pool_calls: list, offload: bool = Tr
         return train(trainer, grads=True), seen
 
     def graphs(args, packed, dataset=None):
-        return CudaGraphs(mode="auto", backend=TapeBackend()) if packed else None
+        checkpointed = bool(getattr(args, "cuda_graphs_checkpointed", False))
+        return CudaGraphs(mode="auto", backend=TapeBackend(), checkpointed=checkpointed) if packed else None
 
     monkeypatch.setattr("nbkit.speedups.LAYER_MODES", tuple(
         (name, role, graphs if name == "cuda_graphs" else make) for name, role, make in LAYER_MODES))
@@ -157,7 +160,7 @@ def _run(tmp_path, monkeypatch, fast: bool, pool_calls: list, offload: bool = Tr
     monkeypatch.setattr(_HostPool, "acquire", spied)
     trainer = fast_sft(tmp_path / "fast", model=model, lora=None, tokenizer=tokenizer, dataset=rows(len(tokenizer)),
                        selective_checkpointing=True, offload_checkpointing=offload, tiled_mlp=True, tiled_mlp_tokens=256,
-                       **settings)
+                       **switches, **settings)
     return train(trainer, grads=True), seen
 
 
@@ -173,21 +176,18 @@ def test_the_default_path_under_a_budget_trains_as_plain_trl(tmp_path, one_threa
     # keeps that one whole and recomputes the MLP of the one before; layer 0 checkpointed and offloaded throughout
     assert seen["looks"] == ["first", "second"]
     assert seen["plans"] == [OFFLOADED, MLP_RECOMPUTED, KEPT, KEPT] and seen["kept"] == 3 and seen["added"] == 1
-    assert seen["line"] == f"{LAYERS} layers: 2 kept (2 graphed), 1 with the MLP recomputed, 1 offloaded (1 graphed)"
-    assert f"{LAYERS} layers: 1 kept (1 graphed), 1 with the MLP recomputed, 2 offloaded (2 graphed)" in caplog.text
+    assert seen["line"] == f"{LAYERS} layers: 2 kept (2 graphed), 1 with the MLP recomputed, 1 offloaded"
+    assert f"{LAYERS} layers: 1 kept (1 graphed), 1 with the MLP recomputed, 2 offloaded" in caplog.text
     assert fast.trainer.nbkit_layer_stats["plan"] == seen["line"]
     attached = fast.trainer.nbkit_attached
     assert any(name.startswith("cached_packing") for name in attached), attached
     for name in ("fused_lora", "tiled_mlp", "offload_checkpointing", "selective_checkpointing", "cuda_graphs"):
         assert name in attached, attached
-    # the kept layers replayed as graphs, in three buckets; layer 0 (and layer 1 until the second look) replayed its
-    # recompute graphs from the first look on, its input offloaded as under checkpoint; the MLP-recomputed one eagerly
+    # the kept layers replayed as graphs, in three buckets; the others ran eagerly, layer 0's input offloaded
     graphs = seen["runner"].graphs
     assert graphs.replays > 0 and set(graphs.eager) <= {"checkpointed layer"} and seen["buckets"] == [256, 384, 512]
+    assert graphs.checkpointed_replays == 0 and seen["recomputed"] == [] and seen["reserves"] == [0, 0]
     micro_batches = STEPS * ACCUMULATION  # the first packs every layer, the second two, then one
-    assert graphs.checkpointed_replays >= micro_batches - 1 and {i for i, _ in seen["recomputed"]} == {0, 1}
-    # the first look held back the recompute graphs' pool, buffers and gradients; by the second they existed
-    assert seen["reserves"][0] > seen["reserves"][1] >= 0 and "held back for the checkpointed layers' graphs" in caplog.text
     assert seen["runner"].offload.stats.packs == LAYERS + 2 + (micro_batches - 2)
     # what raised before the pool took slots by identity: idle slots of several sizes, one taken from behind another
     hidden = fast.trainer.model.config.hidden_size
@@ -195,19 +195,27 @@ def test_the_default_path_under_a_budget_trains_as_plain_trl(tmp_path, one_threa
     assert any(len(set(sizes)) > 1 and taken and taken[0] > 0 for _, sizes, taken in pool_calls), pool_calls
 
 
-def test_checkpointed_layers_replay_as_graphs_and_train_as_plain_trl(tmp_path, one_thread, monkeypatch, caplog):
-    """Without the offload, the layers the plan leaves checkpointed replay their forward, recompute and backward as
-    graphs (``ops.recompute_graphs``) from the first look on: layer 0 throughout, layer 1 until the second look
-    recomputes only its MLP (its graphs then unused, the others' replayed in their order)."""
+@pytest.mark.parametrize("offload", [False, True])
+def test_checkpointed_layers_replay_as_graphs_and_train_as_plain_trl(tmp_path, one_thread, monkeypatch, caplog,
+                                                                     offload):
+    """``cuda_graphs_checkpointed=True``: the layers the plan leaves checkpointed (their inputs offloaded with
+    ``offload``: the graphs save the input, the offload's pack hook packs it) replay their forward, recompute and
+    backward as graphs (``ops.recompute_graphs``) from the first look on: layer 0 throughout, layer 1 until the
+    second look recomputes only its MLP (its graphs then unused, the others' replayed in their order). Each look
+    holds back what those graphs will hold: the first their pool, buffers and gradients, the second what is left."""
     plain, _ = _run(tmp_path, monkeypatch, False, [])
     with caplog.at_level(logging.INFO, logger="nbkit"):
-        fast, seen = _run(tmp_path, monkeypatch, True, [], offload=False)
+        fast, seen = _run(tmp_path, monkeypatch, True, [], offload=offload, cuda_graphs_checkpointed=True)
     assert_same_run(fast, plain, **TOLERANCE)
-    assert seen["plans"] == [CHECKPOINTED, MLP_RECOMPUTED, KEPT, KEPT]
-    assert seen["line"] == f"{LAYERS} layers: 2 kept (2 graphed), 1 with the MLP recomputed, 1 checkpointed (1 graphed)"
-    assert f"{LAYERS} layers: 1 kept (1 graphed), 1 with the MLP recomputed, 2 checkpointed (2 graphed)" in caplog.text
+    state = OFFLOADED if offload else CHECKPOINTED
+    assert seen["plans"] == [state, MLP_RECOMPUTED, KEPT, KEPT]
+    assert seen["line"] == f"{LAYERS} layers: 2 kept (2 graphed), 1 with the MLP recomputed, 1 {state} (1 graphed)"
+    assert f"{LAYERS} layers: 1 kept (1 graphed), 1 with the MLP recomputed, 2 {state} (2 graphed)" in caplog.text
     graphs = seen["runner"].graphs
     micro_batches = STEPS * ACCUMULATION  # the first measures the checkpointed layers eagerly
     assert graphs.checkpointed_replays >= micro_batches - 1, graphs.counters()
     assert set(graphs.eager) <= {"checkpointed layer"}, graphs.eager
     assert {i for i, _ in seen["recomputed"]} == {0, 1} and {b for _, b in seen["recomputed"]} == {256, 384, 512}
+    assert seen["reserves"][0] > seen["reserves"][1] >= 0 and "held back for the checkpointed layers' graphs" in caplog.text
+    if offload:  # every offloaded call packed its input, graphed or not
+        assert seen["runner"].offload.stats.packs == LAYERS + 2 + (micro_batches - 2)

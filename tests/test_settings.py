@@ -27,7 +27,7 @@ no_accelerator = pytest.mark.skipif(torch.cuda.is_available() or (
 _BAD = {"attention_kernel": "fast", "offload_checkpointing": "yes", "fused_kernels": 1, "live_dashboard": "on",
         "on_nonfinite_loss": "ignore", "tiled_mlp": 4096, "tiled_mlp_tokens": 0,
         "offload_max_host_bytes": -1, "selective_checkpointing": "yes", "cuda_graphs": "yes",
-        "dequant_cache": "yes", "expandable_segments": "on"}
+        "dequant_cache": "yes", "expandable_segments": "on", "cuda_graphs_checkpointed": "auto"}
 
 
 @pytest.mark.parametrize("name", sorted(SWITCH_VALUES))

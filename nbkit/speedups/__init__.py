@@ -185,7 +185,7 @@ def _graphs(args: Any, packed_batches: bool, dataset: Any = None, allows: Any = 
         return None  # quietly: 'auto' means where graphs exist (True attaches and says why it cannot)
     from .cuda_graphs import CudaGraphs
 
-    return CudaGraphs(mode=mode)
+    return CudaGraphs(mode=mode, checkpointed=bool(switch(args, "cuda_graphs_checkpointed")))
 
 
 def _dequant(args: Any, packed_batches: bool, dataset: Any = None, allows: Any = None) -> Optional[Speedup]:

@@ -201,12 +201,13 @@ class CudaGraphs:
     name = "cuda_graphs"
 
     def __init__(self, mode: Mode = "auto", max_tokens: int = MAX_TOKENS, backend: Any = None,
-                 packed: Optional[PackedAttention] = None) -> None:
+                 packed: Optional[PackedAttention] = None, checkpointed: bool = False) -> None:
         """``backend``: how graphs are made (default ``CudaGraphBackend``; tests pass ``layer_graphs.TapeBackend``).
         ``packed``: the attached ``PackedAttention`` whose per-forward runs the graphs read (None: no packed metadata,
-        every call eager)."""
+        every call eager). ``checkpointed``: checkpointed layers are graphed too (``cuda_graphs_checkpointed``)."""
         check_value("cuda_graphs", mode)
         self.mode = mode
+        self.checkpointed = checkpointed
         self.packed = packed
         self.backend = backend if backend is not None else CudaGraphBackend()
         self.max_tokens = self._given_max = max_tokens
@@ -599,7 +600,7 @@ class CudaGraphs:
         measurements (``runner.costs`` at ``runner.max_tokens``); 0 before them."""
         sized = [c for c in runner.costs if c.kept < UNSIZED]
         layers = [layer for layer in runner.layers if layer.checkpointed and layer.graphable]
-        if self._runner is not runner or not sized or not layers or not runner.max_tokens:
+        if not self.checkpointed or self._runner is not runner or not sized or not layers or not runner.max_tokens:
             return 0
         top = bucket_for(runner.max_tokens, self.max_tokens) or max(
             (b for b in BUCKETS if b <= self.max_tokens), default=0)

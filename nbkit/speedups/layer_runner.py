@@ -24,10 +24,11 @@ How a run goes:
   function transformers calls with it becomes ``run_as_is`` through the ledger, and the runner calls the user's
   checkpoint function (with its arguments) itself, for the layers its plan checkpoints. Step 1's plan is what the
   user asked: checkpointed layers checkpointed (offloaded where the offload mode engages at the first call), the
-  others kept (and graphed). Checkpointed layers, offloaded or not, are graphed from the first look on (step 1
-  measures them eagerly), where the user's checkpoint function is torch's own (``torch.utils.checkpoint.checkpoint``,
-  as transformers installs it): their graphs save the input as checkpoint does, and the offload packs it. Layers
-  with the MLP recomputed run eagerly.
+  others kept (and graphed). With ``cuda_graphs_checkpointed``, checkpointed layers, offloaded or not, are graphed
+  from the first look on (step 1 measures them eagerly), where the user's checkpoint function is torch's own
+  (``torch.utils.checkpoint.checkpoint``, as transformers installs it): their graphs save the input as checkpoint
+  does, and the offload packs it; the looks hold back what their pool will hold. Layers with the MLP recomputed run
+  eagerly.
 - Step 1 measures, in each checkpointed layer's recompute, what it saves for backward (a ``saved_tensors_hooks``
   pack hook chained before checkpoint's own, counting distinct storages that are not parameters; the MLP's share
   apart): what it would keep un-checkpointed, measured where it is held anyway, no value changed.
@@ -428,8 +429,9 @@ class LayerRunner:
         """Take ``plans``: kept layers graphed where the graphs mode runs, and checkpointed ones where torch's
         checkpoint is theirs; weights dequantized where newly planned."""
         graphs = self.graphs is not None
-        plans = [replace(p, graphed=graphs and (p.activations == KEPT or (p.activations in (CHECKPOINTED, OFFLOADED)
-                                                                            and layer.graphable)))
+        checkpointed = graphs and self.graphs.checkpointed
+        plans = [replace(p, graphed=graphs and (p.activations == KEPT or (checkpointed and layer.graphable and
+                                                                            p.activations in (CHECKPOINTED, OFFLOADED))))
                  for p, layer in zip(plans, self.layers)]
         for layer, old, new in zip(self.layers, self.plans, plans):
             if new.dequantized and not old.dequantized and self.dequant is not None:

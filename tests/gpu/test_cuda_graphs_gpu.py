@@ -104,16 +104,16 @@ def test_graphs_train_as_the_eager_layers_on_a_4bit_base(tmp_path):
 
 @pytest.mark.parametrize("base,offload", [("bf16", False), ("4bit", False), ("bf16", True)])
 def test_checkpointed_layers_replay_as_graphs_and_train_as_the_eager_ones(tmp_path, base, offload):
-    """``selective_checkpointing=False``: every layer stays checkpointed (its input offloaded with ``offload``), and
-    from the first look on each replays its forward, recompute and backward as graphs (``ops.recompute_graphs``);
-    the same tolerances as kept layers'."""
+    """``cuda_graphs_checkpointed=True``, ``selective_checkpointing=False``: every layer stays checkpointed (its input
+    offloaded with ``offload``), and from the first look on each replays its forward, recompute and backward as
+    graphs (``ops.recompute_graphs``); the same tolerances as kept layers'."""
     if base == "4bit":
         pytest.importorskip("bitsandbytes")
     build = _bf16 if base == "bf16" else _four_bit(tmp_path / "base")
     kw = dict(selective_checkpointing=False, offload_checkpointing=offload)
     eager = _train(tmp_path, "eager", build, False, **kw)
     again = _train(tmp_path, "again", build, False, **kw)
-    graphed = _train(tmp_path, "graphs", build, "auto", **kw)
+    graphed = _train(tmp_path, "graphs", build, "auto", cuda_graphs_checkpointed=True, **kw)
     _check(eager, again, graphed, True)
     stats = graphed[2]
     state = "offloaded" if offload else "checkpointed"

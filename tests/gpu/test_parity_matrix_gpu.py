@@ -72,7 +72,7 @@ LORA_R = 8
 EAGER: dict[str, Any] = dict(  # every speedup switch of FastSFTConfig off; ``attention_kernel`` must stay 'auto' then
     cached_packing=False, offload_checkpointing=False, offload_double_buffer=False, selective_checkpointing=False,
     cuda_graphs=False, fast_moe_routing=False, fused_lora=False, fused_kernels=False, tiled_mlp=False,
-    sync_free_metrics=False, dequant_cache=False, expandable_segments=False,
+    sync_free_metrics=False, dequant_cache=False, expandable_segments=False, cuda_graphs_checkpointed=False,
 )
 FAST: dict[str, Any] = {}  # every switch at its default
 NOT_SPEEDUPS = {  # FastSFTConfig's own fields that change no code path of the step (or only with a switch above on)

