@@ -261,7 +261,12 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t_train = time.perf_counter()
-        trainer.train()
+        try:
+            trainer.train()
+        except Exception as exc:  # a failed row keeps the plan and graph counters: what it held when it failed
+            exc.nbkit_stats = {"speedups": getattr(trainer, "nbkit_attached", []),
+                               **unsloth_recipe.capture_stats(trainer)}
+            raise
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         train_s = time.perf_counter() - t_train
@@ -404,7 +409,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if extra:
                     row["path"] = f"{spec} ({'host-profiled' if extra in ('host', 'gap_host') else 'GPU-profiled'})"
             except Exception as exc:
-                row = failed_row(spec, exc)
+                row = failed_row(spec, exc, **getattr(exc, "nbkit_stats", {}))
             run_rows.append(dict(row, shape=shape, tokens=tokens, weights=weights, load_s=load_s, recipe=args.recipe,
                                  cap_gib=cap_gib, compute=compute_of(args)))
             print({k: v for k, v in run_rows[-1].items() if not isinstance(v, list) and k != "profile"}, flush=True)

@@ -85,6 +85,22 @@ def test_e2e_notebook_recipe_times_whole_optimizer_steps(tmp_path, monkeypatch):
     _check_written(tmp_path / "e2e_tiny_notebook.json", "e2e", argv, rows)
 
 
+def test_e2e_a_failed_row_keeps_what_the_trainer_said_of_its_speedups(tmp_path, monkeypatch):
+    """A path that raises in train() (an out-of-memory on a capped card) still records the speedups it ran and the
+    layer plan's counters, which are what explain the failure; the other paths' rows are kept."""
+    from nbkit import FastSFT
+
+    def fails(self, *args, **kwargs):
+        raise RuntimeError("out of memory, as on a capped card")
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(FastSFT, "training_step", fails)
+    rows = e2e.main(["--tiny", "--paths", "sft,fastsft", "--tokens", "128", "--steps", "2", "--warmup", "1"])
+    sft, fast = rows
+    assert not sft.get("error") and "out of memory, as on a capped card" in fast["error"]
+    assert any(name.startswith("cached_packing") for name in fast["speedups"]), fast
+
+
 def test_e2e_unsloth_recipe_times_the_whole_run_and_every_step(tmp_path, monkeypatch):
     """Unsloth's notebook recipe: adamw_8bit, no packing, rows cut at --tokens; every step's wall time in order (the
     first 4 on their own), the whole train(), one results file named for the recipe, compute, cap and paths."""
