@@ -171,6 +171,15 @@ class TapeBackend:
 # one layer's graphs
 
 
+def load_static(static: torch.Tensor, x: torch.Tensor) -> None:
+    """Copy ``x`` (its tokens on dim 1) into the front of a graph's static buffer, and zero the rest."""
+    tokens = x.shape[1]
+    with torch.no_grad():
+        static[:, :tokens].copy_(x)
+        if tokens < static.shape[1]:
+            static[:, tokens:].zero_()
+
+
 def trainable_parameters(module: torch.nn.Module) -> tuple:
     """A module's trainable parameters, each once, in the order its graphs return their gradients."""
     return tuple({id(p): p for m in module.modules() for p in m._parameters.values()
@@ -271,14 +280,10 @@ class GraphedLayer:
         self.bwd, self.grads = graph, grads
 
     def replay_forward(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        tokens = x.shape[1]
-        with torch.no_grad():
-            self.x[:, :tokens].copy_(x)
-            if tokens < self.x.shape[1]:
-                self.x[:, tokens:].zero_()
+        load_static(self.x, x)
         self.fwd.replay()
         self.generation += 1
-        return self.out[:, :tokens].clone() if self.out is not None else None
+        return self.out[:, :x.shape[1]].clone() if self.out is not None else None
 
     def replay_backward(self, grad: torch.Tensor, generation: int) -> tuple[Optional[torch.Tensor], list]:
         if generation != self.generation:

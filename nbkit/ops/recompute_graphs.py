@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .layer_graphs import GraphedLayer
+from .layer_graphs import GraphedLayer, load_static
 
 
 @dataclass(frozen=True)
@@ -88,13 +88,9 @@ class RecomputedLayer:
         return held
 
     def replay_forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = x.shape[1]
-        with torch.no_grad():
-            self.x[:, :tokens].copy_(x)
-            if tokens < self.x.shape[1]:
-                self.x[:, tokens:].zero_()
+        load_static(self.x, x)
         self.fwd.replay()
-        return self.shared.out[:, :tokens].clone()
+        return self.shared.out[:, :x.shape[1]].clone()
 
     def replay_backward(self, x: torch.Tensor, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], list]:
         self.graphed.replay_forward(x)
