@@ -147,6 +147,77 @@ def test_a_second_forward_before_the_backward_is_refused():
         first.backward()
 
 
+class _Pools(TapeBackend):
+    """Tapes, with a new object for each pool asked for: which graphs share a pool shows on a CPU."""
+
+    def pool(self):
+        return object()
+
+
+def test_every_buckets_kept_graphs_share_one_pool():
+    """A bucket's kept graphs keep nothing alive between a forward and its backward but for that pair, and no other
+    bucket's replays come between them in training: every bucket's first capture goes into the run's one kept pool
+    (on a GPU its memory is one bucket's activations, not each bucket's)."""
+    model = _model()
+    packed = PackedAttention(kernel="sdpa")
+    graphs = CudaGraphs(mode=True, backend=_Pools(), packed=packed)
+    _attached(model, graphs)
+    for seed, lengths in enumerate(BATCHES):  # buckets 384, 384, 256, 384
+        _step(model, _batch(lengths, seed))
+    pools = {id(g.pool) for g in graphs._graphs.values()}
+    assert graphs.captured == 8 and len(graphs._pooled) == 2 and pools == {id(graphs._kept_pool)}
+
+
+def test_a_forward_of_another_bucket_before_the_backward_runs_eagerly():
+    """Two forwards before their backwards (a loop that sums two losses): with one pool for every bucket, the
+    second bucket's replay would write over what the first bucket's backward still needs. Its layers run eagerly;
+    the numbers are the eager layers'. Once the first backward ran, the second bucket replays again."""
+    first, second = _batch([200, 100], seed=1), _batch([100, 60], seed=2)  # buckets 384 and 256
+
+    def summed(model):
+        model.zero_grad(set_to_none=True)
+        loss = model(**first).loss + model(**second).loss
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain_model = _model()
+    for s in (PackedAttention(kernel="sdpa"), FusedLoRA()):
+        s.attach(plain_model)
+    expected = summed(plain_model)
+    _, graphs = _packed_graphs()
+    model = _model()
+    _attached(model, graphs)
+    _step(model, second)  # the 256 bucket captured
+    got = summed(model)
+    layers = 4
+    assert graphs.eager == {graphs_mod.OTHER_TURN.text: layers}
+    assert got[0] == pytest.approx(expected[0], rel=1e-5, abs=0)
+    _close([got[1]], [expected[1]])
+    before = graphs.replays
+    _step(model, second)
+    assert graphs.replays == before + layers and graphs.eager == {graphs_mod.OTHER_TURN.text: layers}
+    model(**first)  # a forward never backpropagated: its turn ends with its autograd graph
+    _step(model, second)
+    assert graphs.replays == before + 3 * layers and graphs.eager == {graphs_mod.OTHER_TURN.text: layers}
+
+
+def test_a_capture_into_the_kept_pool_needs_what_the_pools_earlier_captures_did_not_free():
+    """Sizing a capture into the kept pool: each layer's static output and input gradient (kept for good), and its
+    activations only beyond what earlier captures into the pool took (freed between replays); a capture of its own
+    pool needs all of it."""
+    graphs = CudaGraphs(mode=True)
+    graphs._layer_bytes, graphs._layer_bucket, graphs._alive_per_token = 100 * 4096, 4096, 20
+    assert graphs._need(4096, layers=3) == 3 * 100 * 4096  # a pool of their own
+    assert graphs._need(4096, layers=3, taken=0) == 3 * 100 * 4096  # an empty kept pool
+    graphs._kept_activations = 4 * graphs._activations(4096)  # four layers captured at 4096
+    assert graphs._activations(4096) == 80 * 4096
+    assert graphs._need(2048, layers=4, taken=0) == 4 * 20 * 2048  # half the tokens: activations fit in what was freed
+    assert graphs._need(4096, layers=1, taken=4) == 100 * 4096  # a fifth layer: beyond the pool's earlier captures
+    assert graphs._need(8192, layers=4, taken=0) == 4 * (20 * 8192 + 80 * 8192 - 80 * 4096)  # a larger bucket: the excess
+    graphs._layer_bytes = None
+    assert graphs._need(2048, taken=0) is None  # nothing measured: nothing to size by
+
+
 def test_calls_a_graph_cannot_take_run_eagerly_with_their_reason():
     """Training calls a graph cannot take run eagerly, counted by reason. Calls outside training (eval, no grad)
     never reach the graphs: the runner calls the layer's own forward, which gives the same output as without it."""
@@ -306,7 +377,7 @@ def test_a_row_whose_bucket_does_not_fit_replays_a_larger_captured_one(monkeypat
     model = _model()
     _attached(model, graphs)
     monkeypatch.setattr(CudaGraphs, "_memory_problem",
-                        lambda self, device, bucket, layers=1: "no memory" if bucket < 384 and layers > 1 else None)
+                        lambda self, device, bucket, layers=1, **kw: "no memory" if bucket < 384 and layers > 1 else None)
     got = [_step(model, batches[0])]
     graphs._layer_bytes = 1  # as a CUDA capture measures it (the CPU tape does not)
     got.append(_step(model, batches[1]))
@@ -326,7 +397,7 @@ def test_an_eager_call_of_a_graphed_layer_recomputes_only_without_room_for_a_sec
     forward recomputed in backward); with room it keeps them, as an un-checkpointed layer does. The same numbers."""
     asked = []
 
-    def problem(self, device, bucket, layers=1):
+    def problem(self, device, bucket, layers=1, **kw):
         asked.append((bucket, layers))
         return None if room or bucket <= 256 else "no memory"
 

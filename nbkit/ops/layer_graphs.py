@@ -301,25 +301,43 @@ class GraphedLayer:
         return grad_x, grads  # the parameters' static gradients: autograd clones or adds them into .grad
 
 
+class Turn:
+    """The forward replays of one set of graphs whose backward replays are still to come (``open``).
+
+    Graphs captured into one pool at different times (one bucket's, then another's) may put what a forward leaves
+    for its backward in the same memory. That is sound while one set's forwards and backwards never interleave with
+    another's, as in training, where each micro-batch's backward follows its forward. ``replay(..., turn=)`` counts
+    a set's open forwards here; the caller asks before a forward whether another set's turn is open (a loop that
+    runs two forwards before their backwards), and holds a ``Turn`` by weak reference: the autograd graph of a
+    forward that is never backpropagated holds its turn, and frees it with itself."""
+
+    def __init__(self, key: Any) -> None:
+        self.key, self.open = key, 0
+
+
 class _Replay(torch.autograd.Function):
     """A layer's forward as one graph replay; its backward as another."""
 
     @staticmethod
-    def forward(ctx, layer: GraphedLayer, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, layer: GraphedLayer, turn: Optional[Turn], x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         out = layer.replay_forward(x)
-        ctx.layer, ctx.generation, ctx.x_grad = layer, layer.generation, x.requires_grad
+        ctx.layer, ctx.generation, ctx.x_grad, ctx.turn = layer, layer.generation, x.requires_grad, turn
+        if turn is not None:
+            turn.open += 1
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad_x, grads = ctx.layer.replay_backward(grad.contiguous(), ctx.generation)
-        return (None, grad_x if ctx.x_grad else None, *grads)
+        if ctx.turn is not None:
+            ctx.turn.open = max(0, ctx.turn.open - 1)
+        return (None, None, grad_x if ctx.x_grad else None, *grads)
 
 
-def replay(layer: GraphedLayer, x: torch.Tensor) -> torch.Tensor:
+def replay(layer: GraphedLayer, x: torch.Tensor, turn: Optional[Turn] = None) -> torch.Tensor:
     """``layer``'s forward on ``x`` (at most its static input's length) as a replay, differentiable to ``x`` and
-    the real trainable parameters."""
-    return _Replay.apply(layer, x, *layer.trainable)
+    the real trainable parameters; counted on ``turn`` until its backward (``Turn``)."""
+    return _Replay.apply(layer, turn, x, *layer.trainable)
 
 
 # ---------------------------------------------------------------------------------------------------------------

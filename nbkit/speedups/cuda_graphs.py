@@ -24,8 +24,13 @@ How:
 - Capture, per bucket at its first call, through ``nbkit.ops.layer_graphs`` (the engine and its contract): every
   graphed layer's forward graph in layer order, then every backward graph in reverse, before any replay has written
   the static inputs that autograd saved. That is the order they replay in, which is what lets the graphs of one
-  capture share one memory pool. A layer the plan graphs later (kept by the plan's first or second look, after step
-  1 ran it checkpointed) is captured at its next call, in a pool of its own. Each layer's graph gets its own
+  capture share one memory pool. Every bucket's first capture goes into the run's one kept pool: between a forward
+  and its backward a bucket's graphs keep their activations there, and in training no other bucket's replay comes
+  between them, so a later bucket's capture takes the memory an earlier one's activations use only between replays,
+  and the pool holds about one bucket's activations, not each bucket's (a ``Turn`` counts a bucket's open forwards:
+  a forward of another bucket before the backward, as in a loop that sums two losses, runs eagerly). A layer the
+  plan graphs later (kept by the plan's first or second look, after step 1 ran it checkpointed) is captured at its
+  next call, in a pool of its own: it replays between its bucket's other layers. Each layer's graph gets its own
   ``PackedRun`` over the bucket's static buffers, made inside its capture, so a mask an attention kernel builds on
   first use is built by that graph at every replay. ``capture_s`` counts the seconds spent capturing.
 
@@ -39,8 +44,8 @@ the process's limit, less the graphs asked for, must stay above the budget's mar
 step's peak so far less what it holds now; reserved, because the pools keep their memory between replays), a
 trainable parameter the graph does not reach (held by reference outside its module).
 
-Near the memory limit: a pool holds its graphs' activations for good, so a second copy of them is what would run
-the GPU out of memory. A row whose bucket has no graphs yet, when that bucket's capture does not fit, replays the
+Near the memory limit: a pool keeps its memory for good, so a second copy of the activations it holds is what would
+run the GPU out of memory. A row whose bucket has no graphs yet, when that bucket's capture does not fit, replays the
 smallest captured bucket that holds it (padded, as every shorter row is; ``reused`` counts those forwards). An eager
 call of a layer that has graphs keeps its activations when they fit beside the pools (the same test as a capture's,
 for every graphed layer at the call's tokens, decided once per forward); else it is checkpointed (its input kept,
@@ -65,6 +70,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
@@ -72,7 +78,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..memory import fmt_bytes, gpu_in_use, gpu_reserved
-from ..ops.layer_graphs import CudaGraphBackend, GraphedLayer, UnreachedParameters, replay, trainable_parameters
+from ..ops.layer_graphs import CudaGraphBackend, GraphedLayer, Turn, UnreachedParameters, replay, trainable_parameters
 from ..ops.recompute_graphs import RecomputedLayer, Shared, replay_checkpointed
 from ..ops.varlen_attention import KERNEL_FNS, PackedRun
 from ..say_once import SayOnce
@@ -141,6 +147,7 @@ CAPTURE_FAILED = Eager("capture failed", Kind.LASTING)
 TOO_MANY_CAPTURES = Eager("too many captures")
 OTHER_ROPE = Eager("position embeddings differ between layers of one type")
 OTHER_GRAD = Eager("the input's requires_grad differs from the capture's")
+OTHER_TURN = Eager("a forward of another bucket awaits its backward (their graphs share a pool)")
 
 
 @dataclass(frozen=True)
@@ -232,6 +239,11 @@ class CudaGraphs:
         self._buffers: dict[tuple, Shared] = {}  # recomputed layers' static buffers, by bucket, dtype, x's grad
         self._recompute_pool: Any = None  # every recomputed layer's graphs, whatever the bucket (recompute_graphs)
         self._recompute_tokens = 0  # the largest bucket captured in it
+        self._kept_pool: Any = None  # kept layers' graphs, each variant's first capture (see _capture_from)
+        self._kept_activations = 0  # what their activations take of it, as _need sizes them: the most of one capture
+        self._pooled: set[Variant] = set()  # the variants captured into it
+        self._turn: Optional[weakref.ref] = None  # the Turn of the last pooled forward (layer_graphs.Turn)
+        self._alive_per_token = 0  # what a kept layer's graphs keep for good a token: static output, input gradient
         self._grads: dict[int, list[torch.Tensor]] = {}  # a recomputed layer's parameter gradients, every bucket's
         self._shared: dict[int, BucketMetadata] = {}  # by bucket
         self._plan_run: Optional[PackedRun] = None
@@ -308,10 +320,10 @@ class CudaGraphs:
 
     # ------------------------------------------------------------------------------------------------------- calls
     def _replayable(self, runner: Any, layer: Any, hidden_states: torch.Tensor, args: tuple,
-                    kwargs: dict) -> Union[GraphedLayer, RecomputedLayer, Eager]:
-        """The graphs this call replays, its bucket's metadata loaded; or why it runs eagerly (said once per reason,
-        counted)."""
-        why = _layer_reason(runner, layer)
+                    kwargs: dict) -> tuple[Union[GraphedLayer, RecomputedLayer, Eager], Optional[Turn]]:
+        """The graphs this call replays, its bucket's metadata loaded, and the turn its replay counts on (kept
+        layers' graphs in the shared pool); or why it runs eagerly (said once per reason, counted)."""
+        why, turn = _layer_reason(runner, layer), None
         if why is None:
             plan = self._plan(hidden_states, args, kwargs)
             graphs = plan if isinstance(plan, Eager) else self._graphs_for(layer.index, plan, hidden_states, kwargs)
@@ -319,20 +331,32 @@ class CudaGraphs:
                 why = graphs
             elif graphs.x.requires_grad != hidden_states.requires_grad:
                 why = OTHER_GRAD
+            elif isinstance(graphs, GraphedLayer) and plan in self._pooled and (turn := self._turn_of(plan)) is None:
+                why = OTHER_TURN
             elif not self._shared[plan.bucket].load(hidden_states.shape[1], kwargs, rope_key(layer.module)):
                 why = OTHER_ROPE
             else:
                 self.replays += 1
-                return graphs
+                return graphs, turn
         self._say(f"eager:{why.text}", f"a layer call ran eagerly: {why.text}", logging.INFO)
         self.eager[why.text] = self.eager.get(why.text, 0) + 1
-        return why
+        return why, None
+
+    def _turn_of(self, variant: Variant) -> Optional[Turn]:
+        """The turn a pooled variant's forward replays on: the open one when it is this variant's, a new one when
+        none is open, None when another variant's forward still awaits its backward (``layer_graphs.Turn``)."""
+        turn = self._turn() if self._turn is not None else None
+        if turn is not None and turn.open > 0:
+            return turn if turn.key == variant else None
+        turn = Turn(variant)
+        self._turn = weakref.ref(turn)
+        return turn
 
     def call_checkpointed(self, runner: Any, layer: Any, hidden_states: torch.Tensor, args: tuple,
                           kwargs: dict) -> Optional[torch.Tensor]:
         """One call of a checkpointed layer the plan graphs: a replay that keeps only the layer's input, or None
         (the runner then checkpoints the layer eagerly)."""
-        graphs = self._replayable(runner, layer, hidden_states, args, kwargs)
+        graphs, _ = self._replayable(runner, layer, hidden_states, args, kwargs)
         if not isinstance(graphs, RecomputedLayer):
             return None
         self.checkpointed_replays += 1
@@ -341,9 +365,9 @@ class CudaGraphs:
     def call(self, runner: Any, layer: Any, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> Any:
         """One call of a kept layer the plan graphs: a replay, or the eager layer (said once per reason, counted)."""
         index, original = layer.index, layer.original
-        graphs = self._replayable(runner, layer, hidden_states, args, kwargs)
+        graphs, turn = self._replayable(runner, layer, hidden_states, args, kwargs)
         if isinstance(graphs, GraphedLayer):
-            return replay(graphs, hidden_states)
+            return replay(graphs, hidden_states, turn)
         why = graphs
         if index in self._graphed and why is not CHECKPOINTED and torch.is_grad_enabled() and layer.module.training \
                 and not self._eager_keeps_activations(hidden_states, kwargs):
@@ -420,7 +444,7 @@ class CudaGraphs:
             return variant
         eligible = sum(1 for layer in self._layers if self._runner.plans[layer.index].graphed
                        and self._runner.plans[layer.index].activations == KEPT)
-        if self._memory_problem(x.device, variant.bucket, max(eligible, 1)) is None:
+        if self._memory_problem(x.device, variant.bucket, max(eligible, 1), taken=0) is None:
             return variant
         larger = sorted({v for (i, v), e in self._graphs.items() if isinstance(e, GraphedLayer)
                          and v.bucket > variant.bucket and doc_capacity(v.bucket) >= docs
@@ -469,7 +493,12 @@ class CudaGraphs:
         if shared is None:
             shared = self._shared[bucket] = BucketMetadata(bucket, self.packed, x.device)
         shared.load(x.shape[1], kwargs, rope_key(self._layers[first].module))
-        pools: dict[bool, Any] = {}  # kept: this call's own pool; recomputed: the run's one pool
+        # kept layers: the run's kept pool for a variant's first capture (no other variant's replays come between
+        # its forwards and backwards: Turn), else a pool of this call's own (its layers replay between the
+        # variant's others); recomputed layers: the run's one pool for them
+        pooled = not any(v == variant and isinstance(e, GraphedLayer) for (_, v), e in self._graphs.items())
+        self._alive_per_token = 2 * x.shape[-1] * x.element_size()
+        pools: dict[bool, Any] = {}
         kept: list[GraphedLayer] = []
         recomputed: list[RecomputedLayer] = []
         attempted: list[int] = []
@@ -489,9 +518,9 @@ class CudaGraphs:
                     why = HOOKED
                     self._say(f"hooks{i}", f"layer {i} runs eagerly: a module inside it has hooks (they would run "
                               "at the capture only)")
-                elif (keep or not recomputed) and (memory := self._memory_problem(x.device, bucket) if keep else
-                                                   self._memory_problem(x.device, bucket - self._recompute_tokens,
-                                                                        stands_in=True)) is not None:
+                elif (keep or not recomputed) and (memory := self._memory_problem(
+                        x.device, bucket, taken=len(kept) if pooled else None) if keep else self._memory_problem(
+                        x.device, bucket - self._recompute_tokens, stands_in=True)) is not None:
                     # the recomputed layers' one pool holds one layer's activations at its largest bucket: what a
                     # larger bucket adds to it, checked once a call
                     why = Eager(memory, Kind.LASTING)
@@ -506,7 +535,9 @@ class CudaGraphs:
                 if keep not in pools:
                     if not keep and self._recompute_pool is None:
                         self._recompute_pool = self.backend.pool()
-                    pools[keep] = self.backend.pool() if keep else self._recompute_pool
+                    if keep and pooled and self._kept_pool is None:
+                        self._kept_pool = self.backend.pool()
+                    pools[keep] = (self._kept_pool if pooled else self.backend.pool()) if keep else self._recompute_pool
                 static_kwargs = shared.static_kwargs(kwargs, rope_key(layer))
                 label = f"decoder layer {i}"
                 if keep:
@@ -544,6 +575,9 @@ class CudaGraphs:
             return
         if recomputed:
             self._recompute_tokens = max(self._recompute_tokens, bucket)
+        if kept and pooled:
+            self._pooled.add(variant)
+            self._kept_activations = max(self._kept_activations, len(kept) * self._activations(bucket))
         for i, graphs in captured:
             self._graphs[(i, variant)] = graphs
             if isinstance(graphs, GraphedLayer):
@@ -568,20 +602,35 @@ class CudaGraphs:
             self._buffers[key] = Shared.make((1, bucket, x.shape[-1]), x.dtype, x.device, x_grad)
         return self._buffers[key]
 
-    def _memory_problem(self, device: torch.device, bucket: int, layers: int = 1,
-                        stands_in: bool = False) -> Optional[str]:
+    def _memory_problem(self, device: torch.device, bucket: int, layers: int = 1, stands_in: bool = False,
+                        taken: Optional[int] = None) -> Optional[str]:
         """Why ``layers`` more layers' graphs at ``bucket`` tokens do not fit now, or None (the run's budget decides:
-        ``Budget.graphs_room``; ``stands_in``: recompute graphs, one layer's activations at ``bucket`` tokens). Nothing
-        to size by before the first layer's graphs were measured, or the plan measured its layers."""
+        ``Budget.graphs_room``; ``stands_in``: recompute graphs, one layer's activations at ``bucket`` tokens;
+        ``taken``: kept graphs in the run's kept pool, after ``taken`` layers of the same capture). Nothing to size
+        by before the first layer's graphs were measured, or the plan measured its layers."""
         if self._runner is None or self._runner.budget is None:
             return None
-        need = self._recompute_need(bucket) if stands_in else self._need(bucket, layers)
+        need = self._recompute_need(bucket) if stands_in else self._need(bucket, layers, taken)
         return None if need is None else self._runner.budget.graphs_room(need, stands_in=stands_in)
 
-    def _need(self, bucket: int, layers: int = 1) -> Optional[int]:
+    def _need(self, bucket: int, layers: int = 1, taken: Optional[int] = None) -> Optional[int]:
+        """What ``layers`` more layers' kept graphs at ``bucket`` tokens take: all of it in a pool of their own; in
+        the kept pool (after ``taken`` layers of their capture), their static outputs and input gradients, and
+        their activations only where the capture's exceed what the pool's earlier captures freed."""
         if self._layer_bytes is None:
             return None
-        return max(0, layers * self._layer_bytes * bucket // self._layer_bucket)
+        one = self._layer_bytes * bucket // self._layer_bucket
+        if taken is None:
+            return max(0, layers * one)
+        alive = min(one, self._alive_per_token * bucket)
+        beyond = lambda n: max(0, n * (one - alive) - self._kept_activations)  # noqa: E731
+        return layers * alive + beyond(taken + layers) - beyond(taken)
+
+    def _activations(self, bucket: int) -> int:
+        """One kept layer's graphs at ``bucket`` tokens: what their pool holds only between a forward and its
+        backward (their activations, as ``_need`` sizes them)."""
+        one = self._need(bucket)
+        return max(0, one - min(one, self._alive_per_token * bucket)) if one is not None else 0
 
     def _recompute_need(self, tokens: int) -> Optional[int]:
         """One layer's activations at ``tokens``: the plan's measured cost of keeping a layer (at its longest

@@ -213,7 +213,7 @@ def test_near_the_limit_a_row_replays_a_larger_bucket_and_an_eager_call_recomput
 
     model = _lora_model()
     rows = [[400, 600], [100, 200], [3000, 1000], [400, 600]]  # buckets 1024, 384 (refused), above 2048, 1024
-    monkeypatch.setattr(CudaGraphs, "_memory_problem", lambda self, device, bucket, layers=1:
+    monkeypatch.setattr(CudaGraphs, "_memory_problem", lambda self, device, bucket, layers=1, **kw:
                         "no memory" if (bucket < 1024 and layers > 1) or bucket > 2048 else None)
     eager = _rows_trained(model, rows, None, seed_of=lambda i: i)
     graphs = CudaGraphs(mode=True, max_tokens=2048)
@@ -221,6 +221,88 @@ def test_near_the_limit_a_row_replays_a_larger_bucket_and_an_eager_call_recomput
     layers = 4
     assert graphs.captured == layers and graphs.reused == 1 and graphs.replays == 3 * layers
     assert graphs.recomputed == layers and graphs.eager == {"more than 2048 tokens": layers}
+    for (le, ge), (lg, gg) in zip(eager, graphed):
+        assert lg == pytest.approx(le, rel=5e-3)
+        assert max_relative(gg, ge) < 3e-2
+
+
+def _graph_pool_bytes() -> int:
+    """What the allocator holds for CUDA graph pools (every segment outside the default pool)."""
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
+
+
+def test_every_bucket_shares_one_kept_pool_and_trains_as_the_eager_layers():
+    """Real graphs of three buckets in the run's one kept pool: a smaller bucket's capture, after the largest one's,
+    takes what that one's activations left free between replays, so the pools hold about one bucket's activations,
+    not the sum; and replaying the buckets in turn, each writing over what another's backward read, trains as the
+    eager layers do."""
+    from nbkit.speedups.cuda_graphs import CudaGraphs
+
+    model = _lora_model()
+    rows = [[1024, 1024], [100, 200], [600, 400], [100, 200], [1024, 1024], [600, 400]]  # 2048, 384, 1024, ...
+    eager = _rows_trained(model, rows, None, seed_of=lambda i: i)
+    graphs = CudaGraphs(mode=True)
+    sizes = []
+    original = CudaGraphs._capture_from
+
+    def measured(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        sizes.append(_graph_pool_bytes())
+
+    CudaGraphs._capture_from = measured
+    try:
+        graphed = _rows_trained(model, rows, graphs, seed_of=lambda i: i)
+    finally:
+        CudaGraphs._capture_from = original
+    layers = 4
+    print(f"graph pools after each capture: {[round(s / 2**20, 1) for s in sizes]} MiB")
+    assert graphs.eager == {} and graphs.replays == layers * len(rows) and graphs.captured == layers * 3
+    assert len(sizes) == 3 and sizes[0] > 0 and sizes[-1] < 1.3 * sizes[0], sizes
+    for (le, ge), (lg, gg) in zip(eager, graphed):
+        assert lg == pytest.approx(le, rel=5e-3)
+        assert max_relative(gg, ge) < 3e-2
+
+
+def test_a_forward_of_another_bucket_before_the_backward_runs_eagerly_and_trains_as_the_eager_layers():
+    """Two forwards before their backwards, of two buckets whose graphs share the kept pool: the second forward's
+    layers run eagerly (a replay would write over the first forward's activations); losses and gradients as the
+    eager layers'."""
+    from nbkit.ops.packed_boundaries import metadata_from_lengths
+    from nbkit.speedups.cuda_graphs import OTHER_TURN, CudaGraphs
+    from nbkit.speedups.fused_lora import FusedLoRA
+    from nbkit.speedups.packed_attention import PackedAttention
+
+    def batch(lengths, seed):
+        meta = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in metadata_from_lengths(lengths).items()}
+        ids = torch.randint(0, 512, (1, sum(lengths)), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        return dict(input_ids=ids, labels=ids, use_cache=False, **meta)
+
+    def run(graphs):
+        model = _lora_model()
+        packed = PackedAttention(kernel="varlen")
+        speedups = [packed, FusedLoRA()] + ([graphs] if graphs is not None else [])
+        if graphs is not None:
+            graphs.packed = packed
+        for s in speedups:
+            assert s.attach(model)
+        out = []
+        try:
+            for first, second in [((600, 400), (100, 200)), ((100, 200), (600, 400)), ((600, 400), (100, 200))]:
+                model.zero_grad(set_to_none=True)
+                loss = model(**batch(first, 1)).loss + model(**batch(second, 2)).loss
+                loss.backward()
+                out.append((loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters()
+                                          if p.grad is not None}))
+        finally:
+            for s in reversed(speedups):
+                s.detach()
+        return out
+
+    eager = run(None)
+    graphs = CudaGraphs(mode=True)
+    graphed = run(graphs)
+    layers = 4
+    assert graphs.eager.get(OTHER_TURN.text, 0) >= 2 * layers and graphs.replays > 0, graphs.counters()
     for (le, ge), (lg, gg) in zip(eager, graphed):
         assert lg == pytest.approx(le, rel=5e-3)
         assert max_relative(gg, ge) < 3e-2
