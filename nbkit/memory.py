@@ -202,6 +202,24 @@ def gpu_reserved(device: Any) -> int:
     return int(torch.cuda.memory_reserved(device)) if device.type == "cuda" else 0
 
 
+def pool_reserved(segments: Optional[list] = None) -> dict[tuple, int]:
+    """Bytes the caching allocator holds in each private pool (CUDA graphs' pools), by pool id, from its snapshot
+    (``torch.cuda.memory_snapshot()``, or ``segments`` given); {} off CUDA. A host-side walk of every segment: for
+    reports, not for a step's hot path."""
+    import torch
+
+    if segments is None:
+        if not torch.cuda.is_available():
+            return {}
+        segments = torch.cuda.memory_snapshot()
+    held: dict[tuple, int] = {}
+    for segment in segments:
+        pool = tuple(segment.get("segment_pool_id", (0, 0)))
+        if pool != (0, 0):
+            held[pool] = held.get(pool, 0) + int(segment["total_size"])
+    return held
+
+
 def memory_readings(device: Any) -> Optional[MemoryReadings]:
     """(limit, peak allocated, allocated now) on a CUDA device; None off CUDA."""
     import torch

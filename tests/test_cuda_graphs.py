@@ -201,6 +201,18 @@ def test_a_forward_of_another_bucket_before_the_backward_runs_eagerly():
     assert graphs.replays == before + 3 * layers and graphs.eager == {graphs_mod.OTHER_TURN.text: layers}
 
 
+def test_the_pools_bytes_are_counted_by_kind():
+    """What explains an out-of-memory under graphs: the reserved bytes of each kind of pool, from the allocator's
+    snapshot (every segment of a pool, whatever its blocks hold); the default pool's are not the graphs'."""
+    graphs = CudaGraphs(mode=True)
+    assert graphs.pool_bytes() == {} and "pools_mib" not in graphs.counters()  # no pools
+    graphs._kept_pool, graphs._own_pools, graphs._recompute_pool = (0, 1), [(0, 2), (0, 4)], (0, 3)
+    mib = 2**20
+    segments = [{"segment_pool_id": pool, "total_size": size * mib} for pool, size in
+                [((0, 0), 500), ((0, 1), 64), ((0, 1), 20), ((0, 2), 8), ((0, 3), 300), ((0, 4), 2), ((0, 9), 7)]]
+    assert graphs.pool_bytes(segments) == {"kept": 84 * mib, "kept_late": 10 * mib, "recompute": 300 * mib}
+
+
 def test_a_capture_into_the_kept_pool_needs_what_the_pools_earlier_captures_did_not_free():
     """Sizing a capture into the kept pool: each layer's static output and input gradient (kept for good), and its
     activations only beyond what earlier captures into the pool took (freed between replays); a capture of its own

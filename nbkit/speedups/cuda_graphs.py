@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..memory import fmt_bytes, gpu_in_use, gpu_reserved
+from ..memory import fmt_bytes, gpu_in_use, gpu_reserved, pool_reserved
 from ..ops.layer_graphs import CudaGraphBackend, GraphedLayer, Turn, UnreachedParameters, replay, trainable_parameters
 from ..ops.recompute_graphs import RecomputedLayer, Shared, replay_checkpointed
 from ..ops.varlen_attention import KERNEL_FNS, PackedRun
@@ -240,6 +240,7 @@ class CudaGraphs:
         self._recompute_pool: Any = None  # every recomputed layer's graphs, whatever the bucket (recompute_graphs)
         self._recompute_tokens = 0  # the largest bucket captured in it
         self._kept_pool: Any = None  # kept layers' graphs, each variant's first capture (see _capture_from)
+        self._own_pools: list = []  # kept layers' graphs captured late, a pool a capture call
         self._kept_activations = 0  # what their activations take of it, as _need sizes them: the most of one capture
         self._pooled: set[Variant] = set()  # the variants captured into it
         self._turn: Optional[weakref.ref] = None  # the Turn of the last pooled forward (layer_graphs.Turn)
@@ -260,10 +261,28 @@ class CudaGraphs:
         return self.replays > 0
 
     def counters(self) -> dict:
-        """The counters, for benchmarks."""
-        return {"captured": self.captured, "captures": self._captures, "capture_s": round(self.capture_s, 3),
-                "replays": self.replays, "checkpointed_replays": self.checkpointed_replays,
-                "eager": dict(self.eager), "recomputed": self.recomputed, "reused": self.reused}
+        """The counters, for benchmarks; with graphs on a GPU, ``pools_mib``: what their pools hold, by kind."""
+        counters = {"captured": self.captured, "captures": self._captures, "capture_s": round(self.capture_s, 3),
+                    "replays": self.replays, "checkpointed_replays": self.checkpointed_replays,
+                    "eager": dict(self.eager), "recomputed": self.recomputed, "reused": self.reused}
+        pools = self.pool_bytes()
+        if pools:
+            counters["pools_mib"] = {kind: round(held / 2**20, 1) for kind, held in pools.items()}
+        return counters
+
+    def pool_bytes(self, segments: Optional[list] = None) -> dict[str, int]:
+        """What the graphs' pools hold (reserved), by kind: ``kept`` (the run's kept pool), ``kept_late`` (the late
+        captures' own pools), ``recompute`` (the checkpointed layers'); {} with no pools or off CUDA. ``segments``:
+        the allocator's snapshot (default: read now; ``memory.pool_reserved``)."""
+        kinds = {"kept": [self._kept_pool], "kept_late": self._own_pools, "recompute": [self._recompute_pool]}
+        wanted = {pool: kind for kind, pools in kinds.items() for pool in pools if isinstance(pool, tuple)}
+        if not wanted:
+            return {}
+        held = pool_reserved(segments)
+        out: dict[str, int] = {}
+        for pool, kind in wanted.items():
+            out[kind] = out.get(kind, 0) + held.get(pool, 0)
+        return out
 
     # ---------------------------------------------------------------------------------------------- the runner's
     def prepare(self, runner: Any, base: torch.nn.Module) -> bool:
@@ -537,7 +556,9 @@ class CudaGraphs:
                         self._recompute_pool = self.backend.pool()
                     if keep and pooled and self._kept_pool is None:
                         self._kept_pool = self.backend.pool()
-                    pools[keep] = (self._kept_pool if pooled else self.backend.pool()) if keep else self._recompute_pool
+                    if keep and not pooled:
+                        self._own_pools.append(self.backend.pool())
+                    pools[keep] = (self._kept_pool if pooled else self._own_pools[-1]) if keep else self._recompute_pool
                 static_kwargs = shared.static_kwargs(kwargs, rope_key(layer))
                 label = f"decoder layer {i}"
                 if keep:
