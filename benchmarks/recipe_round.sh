@@ -15,7 +15,8 @@
 #   MODES        comma list of <compute>[@<cap GiB>]: bf16 or fp16, the process's GPU memory capped at that many GiB
 #                (e2e.cap_memory; a T4: fp16@15, an L4: bf16@22); default bf16,fp16@15,bf16@22
 #   STEPS        optimizer steps per run, warm-up included (default 60, the recipe's)
-#   PATHS        the trainers, run in this order in each mode: sft, fastsft, unsloth (default all three)
+#   PATHS        the trainers, run in this order in each mode: sft, fastsft, unsloth (default all three); a
+#                fastsft[switch=value;...] path is FastSFT with those switches (benchmarks/e2e.py's path syntax)
 #   LIMIT        seconds each process may run (timeout; default 900): one that runs over leaves no row
 #   TOKENS       max_length, the rows' cut (default 2048, the recipe's)
 #   MODEL_DIR    the random model's folder (default /tmp/nbkit-recipe-<shape>), reused when it holds one
@@ -97,7 +98,7 @@ for mode in "${modes[@]}"; do
     esac
     tokens=$TOKENS${cap:+@$cap}
     for path in "${paths[@]}"; do
-        key=${SHAPE}_${compute}${cap:+_cap$cap}_$path
+        key=${SHAPE}_${compute}${cap:+_cap$cap}_$(printf '%s' "$path" | tr -c 'A-Za-z0-9_.=-' '_')
         log=$WORK/logs/$key.log
         caches=$WORK/cache/$key
         [ "$WARM_CACHES" = 1 ] && caches=$WORK/cache/shared
@@ -106,7 +107,7 @@ for mode in "${modes[@]}"; do
                 --steps "$STEPS" --model-dir "$MODEL_DIR")
         t1=$SECONDS
         case $path in
-            sft | fastsft)
+            sft | fastsft | fastsft\[*\])
                 env OUT="$WORK/json" PYTHONPATH="$NBKIT_PATH" TORCHINDUCTOR_CACHE_DIR="$caches/inductor" \
                     TRITON_CACHE_DIR="$caches/triton" \
                     timeout -k 30 "$LIMIT" python3 -m benchmarks.e2e "${common[@]}" --paths "$path" >"$log" 2>&1
