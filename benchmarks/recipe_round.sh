@@ -25,6 +25,7 @@
 #   NBKIT_GIT_COMMIT  the commit the copy was made from (a copy without .git records "unknown")
 #   NBKIT_SOURCE a folder whose nbkit/ is imported instead of the repo's (another commit's, unpacked with
 #                `git archive <commit> nbkit | tar -x -C <folder>`), to time it beside this one on the same machine
+#                (python -P: the working folder, the repo, is not put before PYTHONPATH)
 #
 # $OUT gets two files (the machine sends back 8 at most): recipe_round_<shape>.tar.gz, the results file of every
 # process (one per script run, written by write_results) and its log, rewritten after each process so a round cut
@@ -110,7 +111,7 @@ for mode in "${modes[@]}"; do
             sft | fastsft | fastsft\[*\])
                 env OUT="$WORK/json" PYTHONPATH="$NBKIT_PATH" TORCHINDUCTOR_CACHE_DIR="$caches/inductor" \
                     TRITON_CACHE_DIR="$caches/triton" \
-                    timeout -k 30 "$LIMIT" python3 -m benchmarks.e2e "${common[@]}" --paths "$path" >"$log" 2>&1
+                    timeout -k 30 "$LIMIT" python3 -P -m benchmarks.e2e "${common[@]}" --paths "$path" >"$log" 2>&1
                 rc=$?
                 ;;
             unsloth)
