@@ -129,14 +129,15 @@ SWITCHES: tuple[Switch, ...] = (
     ),
     Switch(
         "cuda_graphs_checkpointed", False, values=(True, False),
-        summary="Checkpointed layers replay forward, recompute and backward as CUDA graphs too (experimental).",
+        summary="Checkpointed layers replay forward, recompute and backward as CUDA graphs too: big models on small cards.",
         help="With cuda_graphs on, also replay each decoder layer the plan leaves checkpointed (offloaded or not; after the "
         "first step, under torch's own checkpoint function) as CUDA graphs: its forward without grad, and in the "
         "backward its recompute and backward back to back, keeping only its input as checkpointing does; all such "
         "layers' graphs share one memory pool that holds one layer's activations, and the plan holds that pool back "
-        "from what it spends. Same losses and gradients as checkpointing up to rounding (tests/gpu). Off by default: "
-        "on the Qwen3-14B shape capped at 15 GiB in fp16 (a T4's memory) it ran out of memory at the second step, "
-        "where the default path fits (BENCHMARKS.md, run 25).",
+        "from what it spends. Same losses and gradients as checkpointing up to rounding (tests/gpu). On Unsloth's recipe "
+        "at the Qwen3-14B shape capped at 15 GiB in fp16 (a T4's memory) and 22 GiB (an L4's) it was 1.39x and 1.18x "
+        "the defaults (BENCHMARKS.md, run 26). Off by default until the whole GPU suite and whole 60-step runs have "
+        "run with it on; with every layer kept it changes nothing.",
     ),
     Switch(
         "fast_moe_routing", True,
