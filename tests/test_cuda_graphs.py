@@ -199,6 +199,12 @@ def test_a_forward_of_another_bucket_before_the_backward_runs_eagerly():
     model(**first)  # a forward never backpropagated: its turn ends with its autograd graph
     _step(model, second)
     assert graphs.replays == before + 3 * layers and graphs.eager == {graphs_mod.OTHER_TURN.text: layers}
+    # a second backward after another bucket's forward: that forward may have written over this one's activations
+    loss = model(**first).loss
+    loss.backward(retain_graph=True)
+    _step(model, second)
+    with pytest.raises(RuntimeError, match="came after a forward of another bucket"):
+        loss.backward()
 
 
 def test_the_pools_bytes_are_counted_by_kind():
@@ -216,16 +222,17 @@ def test_the_pools_bytes_are_counted_by_kind():
 def test_a_capture_into_the_kept_pool_needs_what_the_pools_earlier_captures_did_not_free():
     """Sizing a capture into the kept pool: each layer's static output and input gradient (kept for good), and its
     activations only beyond what earlier captures into the pool took (freed between replays); a capture of its own
-    pool needs all of it."""
+    pool, or of a bucket larger than any the pool held (its tensors do not fit the smaller freed blocks), needs all
+    of it."""
     graphs = CudaGraphs(mode=True)
     graphs._layer_bytes, graphs._layer_bucket, graphs._alive_per_token = 100 * 4096, 4096, 20
     assert graphs._need(4096, layers=3) == 3 * 100 * 4096  # a pool of their own
     assert graphs._need(4096, layers=3, taken=0) == 3 * 100 * 4096  # an empty kept pool
-    graphs._kept_activations = 4 * graphs._activations(4096)  # four layers captured at 4096
+    graphs._kept_activations, graphs._kept_tokens = 4 * graphs._activations(4096), 4096  # four layers at 4096
     assert graphs._activations(4096) == 80 * 4096
     assert graphs._need(2048, layers=4, taken=0) == 4 * 20 * 2048  # half the tokens: activations fit in what was freed
     assert graphs._need(4096, layers=1, taken=4) == 100 * 4096  # a fifth layer: beyond the pool's earlier captures
-    assert graphs._need(8192, layers=4, taken=0) == 4 * (20 * 8192 + 80 * 8192 - 80 * 4096)  # a larger bucket: the excess
+    assert graphs._need(8192, layers=4, taken=0) == 4 * 100 * 8192  # a larger bucket: all of it
     graphs._layer_bytes = None
     assert graphs._need(2048, taken=0) is None  # nothing measured: nothing to size by
 

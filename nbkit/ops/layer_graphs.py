@@ -40,6 +40,7 @@ through these backends, so the CPU tests drive each captured path on tapes.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -301,18 +302,47 @@ class GraphedLayer:
         return grad_x, grads  # the parameters' static gradients: autograd clones or adds them into .grad
 
 
-class Turn:
-    """The forward replays of one set of graphs whose backward replays are still to come (``open``).
+class Turns:
+    """Whose forward may replay in one pool that several sets of graphs share (one ``Turn`` at a time).
 
     Graphs captured into one pool at different times (one bucket's, then another's) may put what a forward leaves
     for its backward in the same memory. That is sound while one set's forwards and backwards never interleave with
-    another's, as in training, where each micro-batch's backward follows its forward. ``replay(..., turn=)`` counts
-    a set's open forwards here; the caller asks before a forward whether another set's turn is open (a loop that
-    runs two forwards before their backwards), and holds a ``Turn`` by weak reference: the autograd graph of a
-    forward that is never backpropagated holds its turn, and frees it with itself."""
+    another's, as in training, where each micro-batch's backward follows its forward. ``take`` gives a forward its
+    set's open turn, or a new one when none is open, or None while another set's forward awaits its backward (a
+    loop that runs two forwards before their backwards: the caller runs that forward eagerly). A turn is held by the
+    autograd graph of its forwards (``replay(..., turn=)``) and by weak reference here: a forward never
+    backpropagated ends its turn with its graph. A backward whose turn is no longer the pool's newest raises
+    (another set's forward may have written over its activations: a second backward after other forwards)."""
 
-    def __init__(self, key: Any) -> None:
-        self.key, self.open = key, 0
+    def __init__(self) -> None:
+        self.issued = 0
+        self._last: Optional[weakref.ref] = None
+
+    def open(self) -> Optional[Turn]:
+        """The turn whose forwards await their backwards, if any."""
+        turn = self._last() if self._last is not None else None
+        return turn if turn is not None and turn.open > 0 else None
+
+    def take(self, key: Any) -> Optional[Turn]:
+        turn = self.open()
+        if turn is not None:
+            return turn if turn.key == key else None
+        self.issued += 1
+        turn = Turn(key, self, self.issued)
+        self._last = weakref.ref(turn)
+        return turn
+
+
+class Turn:
+    """The forward replays of one set of graphs in a shared pool whose backward replays are still to come
+    (``open``); see ``Turns``."""
+
+    def __init__(self, key: Any, turns: Turns, number: int) -> None:
+        self.key, self.turns, self.number, self.open = key, turns, number, 0
+
+    @property
+    def newest(self) -> bool:
+        return self.turns.issued == self.number
 
 
 class _Replay(torch.autograd.Function):
@@ -321,22 +351,29 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer: GraphedLayer, turn: Optional[Turn], x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         out = layer.replay_forward(x)
-        ctx.layer, ctx.generation, ctx.x_grad, ctx.turn = layer, layer.generation, x.requires_grad, turn
-        if turn is not None:
-            turn.open += 1
+        ctx.layer, ctx.generation, ctx.x_grad = layer, layer.generation, x.requires_grad
+        ctx.turn = turn if any(ctx.needs_input_grad) else None  # a replay no backward follows holds no turn
+        if ctx.turn is not None:
+            ctx.turn.open += 1
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        turn = ctx.turn
+        if turn is not None and not turn.newest:
+            raise RuntimeError(
+                f"nbkit cuda_graphs: {ctx.layer.label}'s backward came after a forward of another bucket, whose graphs "
+                "share the pool that holds this forward's activations (a second backward after other forwards): "
+                "run each forward's backwards before the next forward, or set cuda_graphs=False")
         grad_x, grads = ctx.layer.replay_backward(grad.contiguous(), ctx.generation)
-        if ctx.turn is not None:
-            ctx.turn.open = max(0, ctx.turn.open - 1)
+        if turn is not None:
+            turn.open = max(0, turn.open - 1)
         return (None, None, grad_x if ctx.x_grad else None, *grads)
 
 
 def replay(layer: GraphedLayer, x: torch.Tensor, turn: Optional[Turn] = None) -> torch.Tensor:
     """``layer``'s forward on ``x`` (at most its static input's length) as a replay, differentiable to ``x`` and
-    the real trainable parameters; counted on ``turn`` until its backward (``Turn``)."""
+    the real trainable parameters; counted on ``turn`` until its backward (``Turns``)."""
     return _Replay.apply(layer, turn, x, *layer.trainable)
 
 

@@ -27,8 +27,9 @@ How:
   capture share one memory pool. Every bucket's first capture goes into the run's one kept pool: between a forward
   and its backward a bucket's graphs keep their activations there, and in training no other bucket's replay comes
   between them, so a later bucket's capture takes the memory an earlier one's activations use only between replays,
-  and the pool holds about one bucket's activations, not each bucket's (a ``Turn`` counts a bucket's open forwards:
-  a forward of another bucket before the backward, as in a loop that sums two losses, runs eagerly). A layer the
+  and the pool holds about one bucket's activations, not each bucket's (``layer_graphs.Turns``: while a bucket's
+  forward awaits its backward, a forward of another bucket, as in a loop that sums two losses, runs eagerly). A
+  bucket larger than any the pool held is sized whole: its tensors do not fit the smaller freed blocks. A layer the
   plan graphs later (kept by the plan's first or second look, after step 1 ran it checkpointed) is captured at its
   next call, in a pool of its own: it replays between its bucket's other layers. Each layer's graph gets its own
   ``PackedRun`` over the bucket's static buffers, made inside its capture, so a mask an attention kernel builds on
@@ -59,7 +60,8 @@ launches saved (where the crossing was measured: BENCHMARKS.md, cuda_graphs). Tr
 
 Contract: the same losses and gradients as the eager layers up to rounding; a layer's forward must be followed by its
 backward before it runs forward again in the same bucket (``RuntimeError`` otherwise, as in a custom loop that runs
-two forwards before their backwards); the runner's ``detach()`` drops the graphs (``CudaGraphs.attach`` /
+two forwards before their backwards), and a second backward of a forward (``retain_graph``) after another bucket's
+forward raises too; the runner's ``detach()`` drops the graphs (``CudaGraphs.attach`` /
 ``detach`` run it in a runner of its own). ``backend=TapeBackend()`` (CPU tests) runs the same code with tapes of
 ATen ops in place of CUDA graphs: Python is frozen at capture as on a GPU, so a stale input or an unreached parameter
 shows on a CPU too.
@@ -70,7 +72,6 @@ from __future__ import annotations
 import enum
 import logging
 import time
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
@@ -78,7 +79,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..memory import fmt_bytes, gpu_in_use, gpu_reserved, pool_reserved
-from ..ops.layer_graphs import CudaGraphBackend, GraphedLayer, Turn, UnreachedParameters, replay, trainable_parameters
+from ..ops.layer_graphs import CudaGraphBackend, GraphedLayer, Turn, Turns, UnreachedParameters, replay, trainable_parameters
 from ..ops.recompute_graphs import RecomputedLayer, Shared, replay_checkpointed
 from ..ops.varlen_attention import KERNEL_FNS, PackedRun
 from ..say_once import SayOnce
@@ -242,8 +243,9 @@ class CudaGraphs:
         self._kept_pool: Any = None  # kept layers' graphs, each variant's first capture (see _capture_from)
         self._own_pools: list = []  # kept layers' graphs captured late, a pool a capture call
         self._kept_activations = 0  # what their activations take of it, as _need sizes them: the most of one capture
+        self._kept_tokens = 0  # the largest bucket captured into it
         self._pooled: set[Variant] = set()  # the variants captured into it
-        self._turn: Optional[weakref.ref] = None  # the Turn of the last pooled forward (layer_graphs.Turn)
+        self._turns = Turns()  # whose forward may replay in it (layer_graphs.Turns)
         self._alive_per_token = 0  # what a kept layer's graphs keep for good a token: static output, input gradient
         self._grads: dict[int, list[torch.Tensor]] = {}  # a recomputed layer's parameter gradients, every bucket's
         self._shared: dict[int, BucketMetadata] = {}  # by bucket
@@ -345,12 +347,14 @@ class CudaGraphs:
         why, turn = _layer_reason(runner, layer), None
         if why is None:
             plan = self._plan(hidden_states, args, kwargs)
+            if isinstance(plan, Variant) and (open_turn := self._turns.open()) is not None and open_turn.key != plan:
+                plan = OTHER_TURN  # nothing of this variant is captured or loaded before that backward
             graphs = plan if isinstance(plan, Eager) else self._graphs_for(layer.index, plan, hidden_states, kwargs)
             if isinstance(graphs, Eager):
                 why = graphs
             elif graphs.x.requires_grad != hidden_states.requires_grad:
                 why = OTHER_GRAD
-            elif isinstance(graphs, GraphedLayer) and plan in self._pooled and (turn := self._turn_of(plan)) is None:
+            elif isinstance(graphs, GraphedLayer) and plan in self._pooled and (turn := self._turns.take(plan)) is None:
                 why = OTHER_TURN
             elif not self._shared[plan.bucket].load(hidden_states.shape[1], kwargs, rope_key(layer.module)):
                 why = OTHER_ROPE
@@ -360,16 +364,6 @@ class CudaGraphs:
         self._say(f"eager:{why.text}", f"a layer call ran eagerly: {why.text}", logging.INFO)
         self.eager[why.text] = self.eager.get(why.text, 0) + 1
         return why, None
-
-    def _turn_of(self, variant: Variant) -> Optional[Turn]:
-        """The turn a pooled variant's forward replays on: the open one when it is this variant's, a new one when
-        none is open, None when another variant's forward still awaits its backward (``layer_graphs.Turn``)."""
-        turn = self._turn() if self._turn is not None else None
-        if turn is not None and turn.open > 0:
-            return turn if turn.key == variant else None
-        turn = Turn(variant)
-        self._turn = weakref.ref(turn)
-        return turn
 
     def call_checkpointed(self, runner: Any, layer: Any, hidden_states: torch.Tensor, args: tuple,
                           kwargs: dict) -> Optional[torch.Tensor]:
@@ -599,6 +593,7 @@ class CudaGraphs:
         if kept and pooled:
             self._pooled.add(variant)
             self._kept_activations = max(self._kept_activations, len(kept) * self._activations(bucket))
+            self._kept_tokens = max(self._kept_tokens, bucket)
         for i, graphs in captured:
             self._graphs[(i, variant)] = graphs
             if isinstance(graphs, GraphedLayer):
@@ -635,13 +630,15 @@ class CudaGraphs:
         return None if need is None else self._runner.budget.graphs_room(need, stands_in=stands_in)
 
     def _need(self, bucket: int, layers: int = 1, taken: Optional[int] = None) -> Optional[int]:
-        """What ``layers`` more layers' kept graphs at ``bucket`` tokens take: all of it in a pool of their own; in
-        the kept pool (after ``taken`` layers of their capture), their static outputs and input gradients, and
-        their activations only where the capture's exceed what the pool's earlier captures freed."""
+        """What ``layers`` more layers' kept graphs at ``bucket`` tokens take: all of it in a pool of their own, or
+        in the kept pool at a bucket larger than any captured there (the allocator cannot put a larger tensor in
+        smaller freed blocks); in the kept pool at a bucket it has held (after ``taken`` layers of their capture),
+        their static outputs and input gradients, and their activations only where the capture's exceed what the
+        pool's earlier captures freed."""
         if self._layer_bytes is None:
             return None
         one = self._layer_bytes * bucket // self._layer_bucket
-        if taken is None:
+        if taken is None or bucket > self._kept_tokens:
             return max(0, layers * one)
         alive = min(one, self._alive_per_token * bucket)
         beyond = lambda n: max(0, n * (one - alive) - self._kept_activations)  # noqa: E731
