@@ -354,12 +354,12 @@ class CudaGraphs:
                 why = graphs
             elif graphs.x.requires_grad != hidden_states.requires_grad:
                 why = OTHER_GRAD
-            elif isinstance(graphs, GraphedLayer) and plan in self._pooled and (turn := self._turns.take(plan)) is None:
-                why = OTHER_TURN
             elif not self._shared[plan.bucket].load(hidden_states.shape[1], kwargs, rope_key(layer.module)):
                 why = OTHER_ROPE
             else:
                 self.replays += 1
+                if isinstance(graphs, GraphedLayer) and plan in self._pooled:
+                    turn = self._turns.take(plan)  # no other variant's is open: checked above
                 return graphs, turn
         self._say(f"eager:{why.text}", f"a layer call ran eagerly: {why.text}", logging.INFO)
         self.eager[why.text] = self.eager.get(why.text, 0) + 1
@@ -640,15 +640,16 @@ class CudaGraphs:
         one = self._layer_bytes * bucket // self._layer_bucket
         if taken is None or bucket > self._kept_tokens:
             return max(0, layers * one)
-        alive = min(one, self._alive_per_token * bucket)
-        beyond = lambda n: max(0, n * (one - alive) - self._kept_activations)  # noqa: E731
-        return layers * alive + beyond(taken + layers) - beyond(taken)
+        activations = self._activations(bucket)
+        beyond = lambda n: max(0, n * activations - self._kept_activations)  # noqa: E731
+        return layers * (one - activations) + beyond(taken + layers) - beyond(taken)
 
     def _activations(self, bucket: int) -> int:
         """One kept layer's graphs at ``bucket`` tokens: what their pool holds only between a forward and its
-        backward (their activations, as ``_need`` sizes them)."""
-        one = self._need(bucket)
-        return max(0, one - min(one, self._alive_per_token * bucket)) if one is not None else 0
+        backward (their activations: what ``_need`` sizes less the static output and input gradient)."""
+        if self._layer_bytes is None:
+            return 0
+        return max(0, self._layer_bytes * bucket // self._layer_bucket - self._alive_per_token * bucket)
 
     def _recompute_need(self, tokens: int) -> Optional[int]:
         """One layer's activations at ``tokens``: the plan's measured cost of keeping a layer (at its longest
