@@ -345,6 +345,24 @@ def test_another_layer_is_captured_only_while_the_step_keeps_its_headroom(monkey
     assert graphs._memory_problem(torch.device("cpu"), 4096) is None
 
 
+def test_kept_graphs_are_refused_by_what_the_pools_reserve_not_by_the_allocators_cache(monkeypatch):
+    """After a capture the graphs know what their pools reserve; a kept layer's graphs are then asked for by that
+    figure and what tensors hold (``Budget.graphs_room(pools=)``): the cache that serves the step's own peak does not
+    count twice. Recompute graphs keep counting from what tensors hold."""
+    gib = 2**30
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: 27 * gib)  # 20 held by tensors, 2 by pools
+    runner = LayerRunner()
+    runner.budget = Budget(cuda, readings=lambda device: (32 * gib, 25 * gib, 20 * gib))
+    graphs = CudaGraphs(mode=True)
+    graphs._runner = runner
+    graphs._layer_bytes, graphs._layer_bucket = 1 * gib, 4096
+    assert "5.0 GiB not reserved" in graphs._memory_problem(cuda, 4096)  # nothing captured yet: all reserved counts
+    graphs._pools_reserved = 2 * gib
+    assert graphs._memory_problem(cuda, 4096) is None  # 32 - 22 - 1 >= 5
+    assert graphs._memory_problem(cuda, 4096, layers=6) is not None  # 32 - 22 - 6 < 5
+
+
 def test_recompute_graphs_are_sized_by_the_plan_and_count_from_what_tensors_hold(monkeypatch):
     """A checkpointed layer's recompute graphs hold one layer's activations in one pool for the run: sized by the
     plan's measured cost of keeping a layer (at its longest micro-batch) scaled to the tokens the pool grows by, and

@@ -200,6 +200,18 @@ def test_graph_pools_keep_the_step_s_headroom(monkeypatch):
     assert not budget.cache_in_the_way(LIMIT // 2 + 1)
 
 
+def test_with_the_pools_known_the_allocators_cache_is_not_counted_twice(monkeypatch):
+    """The step's peak above what tensors hold is served from the allocator's cached blocks, which reserved memory
+    counts already. Given what the graph pools reserve, the budget holds what tensors hold plus the pools (never
+    more than all reserved) and keeps the step's headroom free beyond that."""
+    budget = fake([(LIMIT, LIMIT // 2, LIMIT // 4)])  # the step needs a quarter more at its peak
+    monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: 3 * LIMIT // 4)  # a quarter cached, a quarter pools
+    assert budget.graphs_room(LIMIT // 8) is not None  # all reserved counted: 1 - 3/4 - 1/8 < 1/4
+    assert budget.graphs_room(LIMIT // 8, pools=LIMIT // 4) is None  # 1 - (1/4 + 1/4) - 1/8 >= 1/4
+    assert budget.graphs_room(LIMIT // 4 + 1, pools=LIMIT // 4) is not None  # the headroom still stays free
+    assert budget.graphs_room(LIMIT // 8, pools=LIMIT) is not None  # held: at most all reserved
+
+
 def test_off_cuda_nothing_is_crowded():
     assert fake([(LIMIT, 0, 0)]).crowded(LIMIT * 10) is False
 

@@ -244,6 +244,7 @@ class CudaGraphs:
         self._own_pools: list = []  # kept layers' graphs captured late, a pool a capture call
         self._kept_activations = 0  # what their activations take of it, as _need sizes them: the most of one capture
         self._kept_tokens = 0  # the largest bucket captured into it
+        self._pools_reserved: Optional[int] = None  # what every pool reserves, read after each capture (on CUDA)
         self._pooled: set[Variant] = set()  # the variants captured into it
         self._turns = Turns()  # whose forward may replay in it (layer_graphs.Turns)
         self._alive_per_token = 0  # what a kept layer's graphs keep for good a token: static output, input gradient
@@ -494,6 +495,8 @@ class CudaGraphs:
         try:
             self._capture_from(first, variant, x, kwargs)
         finally:
+            if x.is_cuda:  # pools change only here: the budget reads this, not the allocator's snapshot, per call
+                self._pools_reserved = sum(self.pool_bytes().values())
             self.capture_s += time.perf_counter() - started
 
     def _kept(self, index: int) -> bool:
@@ -627,7 +630,8 @@ class CudaGraphs:
         if self._runner is None or self._runner.budget is None:
             return None
         need = self._recompute_need(bucket) if stands_in else self._need(bucket, layers, taken)
-        return None if need is None else self._runner.budget.graphs_room(need, stands_in=stands_in)
+        pools = None if stands_in else self._pools_reserved
+        return None if need is None else self._runner.budget.graphs_room(need, stands_in=stands_in, pools=pools)
 
     def _need(self, bucket: int, layers: int = 1, taken: Optional[int] = None) -> Optional[int]:
         """What ``layers`` more layers' kept graphs at ``bucket`` tokens take: all of it in a pool of their own, or

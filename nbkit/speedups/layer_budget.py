@@ -16,7 +16,9 @@ every method says so (None), except where a test hands in its own ``readings``.
   above what is held between micro-batches scaled to the longest micro-batch (``scale``), the allocator's reserved
   memory counted where it is more (graph pools keep theirs reserved).
 - ``graphs_room(need)``: whether ``need`` more bytes of graph pools fit now; the pools' memory is reserved for good, so
-  the room is the limit less what is reserved, and the step's own peak above the present must stay free. A pool
+  the room is the limit less what is reserved, and the step's own peak above the present must stay free. Given what
+  the pools reserve (``pools``), what is held is what tensors hold plus the pools: the allocator's cached blocks are
+  where the step's own peak comes from, so they are not counted a second time. A pool
   that stands in for the step's own eager allocations (checkpointed layers' recompute graphs: the recompute no
   longer comes from the allocator's cache) counts from what tensors hold instead, the cache given back first
   where it is in the way (``cache_in_the_way``).
@@ -92,14 +94,20 @@ class Budget:
                            f"{MARGIN:.0%} and the {fmt_bytes(used)} the plan's peak comes to at the longest "
                            "micro-batch, reserved memory counted where it is more")
 
-    def graphs_room(self, need: int, stands_in: bool = False) -> Optional[str]:
+    def graphs_room(self, need: int, stands_in: bool = False, pools: Optional[int] = None) -> Optional[str]:
         """None when ``need`` more bytes of graph pools fit now; else why not, in words. ``stands_in``: the pool
-        stands in for allocations the step makes from the allocator's cache, whose cached blocks then do not count."""
+        stands in for allocations the step makes from the allocator's cache, whose cached blocks then do not count.
+        ``pools``: what the graph pools reserve (their tensors are counted twice: a bound from above)."""
         readings = self.read()
         if readings is None:
             return None
         limit, peak, allocated = readings
-        reserved = allocated if stands_in else max(gpu_reserved(self.device), allocated)
+        if stands_in:
+            reserved = allocated
+        elif pools is not None:
+            reserved = min(allocated + pools, max(gpu_reserved(self.device), allocated))
+        else:
+            reserved = max(gpu_reserved(self.device), allocated)
         headroom = max(MARGIN * limit, peak - allocated)  # what the step may still need beyond what it holds
         if limit - reserved - need < headroom:
             return (f"no memory for more graphs ({(limit - reserved) / 2**30:.1f} GiB not reserved, the graphs take "
