@@ -128,7 +128,7 @@ SWITCHES: tuple[Switch, ...] = (
         "embeddings than the captured ones, a trainable parameter the graph does not reach) stays eager.",
     ),
     Switch(
-        "cuda_graphs_checkpointed", False, values=(True, False),
+        "cuda_graphs_checkpointed", True, values=(True, False),
         summary="Checkpointed layers replay forward, recompute and backward as CUDA graphs too: big models on small cards.",
         help="With cuda_graphs on, also replay each decoder layer the plan leaves checkpointed (offloaded or not; after the "
         "first step, under torch's own checkpoint function) as CUDA graphs: its forward without grad, and in the "
@@ -136,8 +136,8 @@ SWITCHES: tuple[Switch, ...] = (
         "layers' graphs share one memory pool that holds one layer's activations, and the plan holds that pool back "
         "from what it spends. Same losses and gradients as checkpointing up to rounding (tests/gpu). On Unsloth's recipe "
         "at the Qwen3-14B shape capped at 15 GiB in fp16 (a T4's memory) and 22 GiB (an L4's) it was 1.39x and 1.18x "
-        "the defaults (BENCHMARKS.md, run 26). Off by default until the whole GPU suite and whole 60-step runs have "
-        "run with it on; with every layer kept it changes nothing.",
+        "the defaults with it off (BENCHMARKS.md, run 26). With every layer kept it changes nothing; False: checkpointed "
+        "layers run eagerly, under checkpointing as before.",
     ),
     Switch(
         "fast_moe_routing", True,
