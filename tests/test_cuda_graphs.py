@@ -363,6 +363,37 @@ def test_kept_graphs_are_refused_by_what_the_pools_reserve_not_by_the_allocators
     assert graphs._memory_problem(cuda, 4096, layers=6) is not None  # 32 - 22 - 6 < 5
 
 
+def test_a_kept_capture_counts_its_static_parameter_gradients(monkeypatch):
+    """A kept layer's backward graph leaves its parameters' gradients in its pool for good, one set a capture: small
+    with LoRA, a layer's size in a full fine-tune. The capture asks the budget for them beside the activations."""
+    gib = 2**30
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: 20 * gib)
+    runner = LayerRunner()
+    runner.budget = Budget(cuda, readings=lambda device: (32 * gib, 20 * gib, 20 * gib))
+    graphs = CudaGraphs(mode=True)
+    graphs._runner = runner
+    graphs._layer_bytes, graphs._layer_bucket = 1 * gib, 4096
+    assert graphs._memory_problem(cuda, 4096, grads=7 * gib) is None  # 12 - 8 >= 3.2
+    assert graphs._memory_problem(cuda, 4096, grads=8 * gib) is not None  # 12 - 9 < 3.2
+    assert graphs._memory_problem(cuda, 4096, stands_in=True, grads=8 * gib) is None  # recompute: grads_into, not pool
+
+    asked = []
+    _, graphs = _packed_graphs()
+    model = _model()
+    _attached(model, graphs)
+    monkeypatch.setattr(CudaGraphs, "_memory_problem", lambda self, device, bucket, layers=1, **kw: asked.append(
+        kw.get("grads")) or None)
+    graphs._layer_bytes, graphs._layer_bucket = 1, 256  # as a CUDA capture measures them (the CPU tape does not)
+    _step(model, _batch([120, 80, 100], seed=1))
+    layer = graphs._layers[0].module
+    lora = sum(p.numel() * p.element_size() for n, p in layer.named_parameters() if "lora_" in n)
+    assert graphs.captured == 4 and lora > 0 and asked[-4:] == [lora] * 4
+    for p in layer.parameters():
+        p.requires_grad_(True)  # a full fine-tune: every weight's gradient
+    assert CudaGraphs._static_grads(layer) == sum(p.numel() * p.element_size() for p in layer.parameters()) > 10 * lora
+
+
 def test_recompute_graphs_are_sized_by_the_plan_and_count_from_what_tensors_hold(monkeypatch):
     """A checkpointed layer's recompute graphs hold one layer's activations in one pool for the run: sized by the
     plan's measured cost of keeping a layer (at its longest micro-batch) scaled to the tokens the pool grows by, and

@@ -458,7 +458,8 @@ class CudaGraphs:
             return variant
         eligible = sum(1 for layer in self._layers if self._runner.plans[layer.index].graphed
                        and self._runner.plans[layer.index].activations == KEPT)
-        if self._memory_problem(x.device, variant.bucket, max(eligible, 1), taken=0) is None:
+        grads = max(eligible, 1) * self._static_grads(self._layers[0].module)
+        if self._memory_problem(x.device, variant.bucket, max(eligible, 1), taken=0, grads=grads) is None:
             return variant
         larger = sorted({v for (i, v), e in self._graphs.items() if isinstance(e, GraphedLayer)
                          and v.bucket > variant.bucket and doc_capacity(v.bucket) >= docs
@@ -535,7 +536,8 @@ class CudaGraphs:
                     self._say(f"hooks{i}", f"layer {i} runs eagerly: a module inside it has hooks (they would run "
                               "at the capture only)")
                 elif (keep or not recomputed) and (memory := self._memory_problem(
-                        x.device, bucket, taken=len(kept) if pooled else None) if keep else self._memory_problem(
+                        x.device, bucket, taken=len(kept) if pooled else None, grads=self._static_grads(layer))
+                        if keep else self._memory_problem(
                         x.device, bucket - self._recompute_tokens, stands_in=True)) is not None:
                     # the recomputed layers' one pool holds one layer's activations at its largest bucket: what a
                     # larger bucket adds to it, checked once a call
@@ -622,14 +624,16 @@ class CudaGraphs:
         return self._buffers[key]
 
     def _memory_problem(self, device: torch.device, bucket: int, layers: int = 1, stands_in: bool = False,
-                        taken: Optional[int] = None) -> Optional[str]:
+                        taken: Optional[int] = None, grads: int = 0) -> Optional[str]:
         """Why ``layers`` more layers' graphs at ``bucket`` tokens do not fit now, or None (the run's budget decides:
         ``Budget.graphs_room``; ``stands_in``: recompute graphs, one layer's activations at ``bucket`` tokens;
-        ``taken``: kept graphs in the run's kept pool, after ``taken`` layers of the same capture). Nothing to size
+        ``taken``: kept graphs in the run's kept pool, after ``taken`` layers of the same capture; ``grads``: their
+        static parameter gradients, ``_static_grads``). Nothing to size
         by before the first layer's graphs were measured, or the plan measured its layers."""
         if self._runner is None or self._runner.budget is None:
             return None
         need = self._recompute_need(bucket) if stands_in else self._need(bucket, layers, taken)
+        need = None if need is None else need + (0 if stands_in else grads)
         pools = None if stands_in else self._pools_reserved
         return None if need is None else self._runner.budget.graphs_room(need, stands_in=stands_in, pools=pools)
 
@@ -647,6 +651,12 @@ class CudaGraphs:
         activations = self._activations(bucket)
         beyond = lambda n: max(0, n * activations - self._kept_activations)  # noqa: E731
         return layers * (one - activations) + beyond(taken + layers) - beyond(taken)
+
+    @staticmethod
+    def _static_grads(layer: torch.nn.Module) -> int:
+        """What a kept capture's backward leaves in its pool for good beside what ``_need`` sizes: its static
+        parameter gradients, one set per capture (small with LoRA; a full fine-tune's are the layer's size)."""
+        return sum(p.numel() * p.element_size() for p in trainable_parameters(layer))
 
     def _activations(self, bucket: int) -> int:
         """One kept layer's graphs at ``bucket`` tokens: what their pool holds only between a forward and its
