@@ -16,6 +16,9 @@ graphed. Here they are forced, each mode as its default builds it on a GPU unles
   with host buffers. Step 1 packs all four layers, then two, then one: idle host slots of several sizes.
 - ``cuda_graphs``: built as on a GPU ('auto') but on ``layer_graphs.TapeBackend`` (Python frozen at capture, as on a
   GPU), through ``LAYER_MODES``.
+- ``cuda_graphs_checkpointed``: its default (True) replays the checkpointed layers as graphs too: the default path
+  is ``test_checkpointed_layers_replay_as_graphs_and_train_as_plain_trl[True]``; the first test sets it False, so
+  that the checkpointed layers' eager path (their activations recomputed by torch's checkpoint) is covered as well.
 - ``tiled_mlp=True`` with tiles of 256 tokens: what 'auto' does where the MLP would crowd the card (step 1's rows
   are shorter than a tile: its MLPs run whole and are measured).
 - ``cached_packing`` (its padding-free rows, the 'sdpa' kernel on a CPU), ``fused_lora``, ``sync_free_metrics``: their
@@ -164,11 +167,13 @@ def _run(tmp_path, monkeypatch, fast: bool, pool_calls: list, offload: bool = Tr
     return train(trainer, grads=True), seen
 
 
-def test_the_default_path_under_a_budget_trains_as_plain_trl(tmp_path, one_thread, monkeypatch, caplog):
+def test_the_path_under_a_budget_with_eager_checkpointed_layers_trains_as_plain_trl(tmp_path, one_thread, monkeypatch,
+                                                                                     caplog):
+    """The default path but for ``cuda_graphs_checkpointed=False``: the checkpointed layers run eagerly."""
     pool_calls: list = []
     plain, _ = _run(tmp_path, monkeypatch, False, pool_calls)
     with caplog.at_level(logging.INFO, logger="nbkit"):
-        fast, seen = _run(tmp_path, monkeypatch, True, pool_calls)
+        fast, seen = _run(tmp_path, monkeypatch, True, pool_calls, cuda_graphs_checkpointed=False)
     assert_same_run(fast, plain, **TOLERANCE)
     assert len(fast.grads) == STEPS and all(any("lora_B" in n for n in step) for step in plain.grads)
 
@@ -198,14 +203,15 @@ def test_the_default_path_under_a_budget_trains_as_plain_trl(tmp_path, one_threa
 @pytest.mark.parametrize("offload", [False, True])
 def test_checkpointed_layers_replay_as_graphs_and_train_as_plain_trl(tmp_path, one_thread, monkeypatch, caplog,
                                                                      offload):
-    """``cuda_graphs_checkpointed=True``: the layers the plan leaves checkpointed (their inputs offloaded with
-    ``offload``: the graphs save the input, the offload's pack hook packs it) replay their forward, recompute and
-    backward as graphs (``ops.recompute_graphs``) from the first look on: layer 0 throughout, layer 1 until the
-    second look recomputes only its MLP (its graphs then unused, the others' replayed in their order). Each look
-    holds back what those graphs will hold: the first their pool, buffers and gradients, the second what is left."""
+    """``cuda_graphs_checkpointed=True`` (the default; with ``offload`` this is the whole default path): the layers
+    the plan leaves checkpointed (their inputs offloaded with ``offload``: the graphs save the input, the offload's
+    pack hook packs it) replay their forward, recompute and backward as graphs (``ops.recompute_graphs``) from the
+    first look on: layer 0 throughout, layer 1 until the second look recomputes only its MLP (its graphs then
+    unused, the others' replayed in their order). Each look holds back what those graphs will hold: the first their
+    pool, buffers and gradients, the second what is left."""
     plain, _ = _run(tmp_path, monkeypatch, False, [])
     with caplog.at_level(logging.INFO, logger="nbkit"):
-        fast, seen = _run(tmp_path, monkeypatch, True, [], offload=offload, cuda_graphs_checkpointed=True)
+        fast, seen = _run(tmp_path, monkeypatch, True, [], offload=offload)  # the default: graphed
     assert_same_run(fast, plain, **TOLERANCE)
     state = OFFLOADED if offload else CHECKPOINTED
     assert seen["plans"] == [state, MLP_RECOMPUTED, KEPT, KEPT]
