@@ -207,6 +207,39 @@ def test_a_forward_of_another_bucket_before_the_backward_runs_eagerly():
         loss.backward()
 
 
+def test_two_forwards_of_one_bucket_before_their_backwards_give_checkpointed_layers_the_eager_numbers():
+    """Checkpointed layers' graphs (``cuda_graphs_checkpointed``) keep only each layer's input, so two forwards of
+    one bucket may run before their backwards (a loop that sums two losses). Each backward puts its forward's
+    metadata back into the bucket's static buffers before its recompute (the second forward loaded its own), and
+    hands autograd a copy of the layer's shared gradient buffers while the other backward is still to replay into
+    them: the eager layers' loss and gradients."""
+    first, second = _batch([200, 100, 50], seed=5), _batch([60, 300], seed=6)  # both in the 384 bucket
+
+    def summed(model):
+        model.zero_grad(set_to_none=True)
+        loss = model(**first).loss + model(**second).loss
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain_model = _model()
+    for s in (PackedAttention(kernel="sdpa"), FusedLoRA()):
+        s.attach(plain_model)
+    expected = summed(plain_model)
+    _, graphs = _packed_graphs(checkpointed=True)
+    model = _model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _attached(model, graphs)
+    for seed in range(2):  # the first step measures the layers, the second captures their graphs
+        _step(model, _batch([120, 80, 100], seed=seed))
+    layers, before = 4, graphs.checkpointed_replays
+    assert graphs.captured == layers and before == layers
+    got = summed(model)
+    assert graphs.checkpointed_replays == before + 2 * layers and graphs.eager == {}
+    assert got[0] == pytest.approx(expected[0], rel=1e-5, abs=0)
+    _close([got[1]], [expected[1]])
+    assert all(g.awaiting == 0 for g in graphs._grads.values()) and len(graphs._grads) == layers
+
+
 def test_the_pools_bytes_are_counted_by_kind():
     """What explains an out-of-memory under graphs: the reserved bytes of each kind of pool, from the allocator's
     snapshot (every segment of a pool, whatever its blocks hold); the default pool's are not the graphs'."""

@@ -349,9 +349,10 @@ class _Replay(torch.autograd.Function):
     """A layer's forward as one graph replay; its backward as another."""
 
     @staticmethod
-    def forward(ctx, layer: GraphedLayer, turn: Optional[Turn], x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, layer: GraphedLayer, turn: Optional[Turn], restore: Optional[Callable[[], None]], x: torch.Tensor,
+                *params: torch.Tensor) -> torch.Tensor:
         out = layer.replay_forward(x)
-        ctx.layer, ctx.generation, ctx.x_grad = layer, layer.generation, x.requires_grad
+        ctx.layer, ctx.generation, ctx.x_grad, ctx.restore = layer, layer.generation, x.requires_grad, restore
         ctx.turn = turn if any(ctx.needs_input_grad) else None  # a replay no backward follows holds no turn
         if ctx.turn is not None:
             ctx.turn.open += 1
@@ -365,16 +366,21 @@ class _Replay(torch.autograd.Function):
                 f"nbkit cuda_graphs: {ctx.layer.label}'s backward came after a forward of another bucket, whose graphs "
                 "share the pool that holds this forward's activations (a second backward after other forwards): "
                 "run each forward's backwards before the next forward, or set cuda_graphs=False")
+        if ctx.restore is not None:
+            ctx.restore()
         grad_x, grads = ctx.layer.replay_backward(grad.contiguous(), ctx.generation)
         if turn is not None:
             turn.open = max(0, turn.open - 1)
-        return (None, None, grad_x if ctx.x_grad else None, *grads)
+        return (None, None, None, grad_x if ctx.x_grad else None, *grads)
 
 
-def replay(layer: GraphedLayer, x: torch.Tensor, turn: Optional[Turn] = None) -> torch.Tensor:
+def replay(layer: GraphedLayer, x: torch.Tensor, turn: Optional[Turn] = None,
+           restore: Optional[Callable[[], None]] = None) -> torch.Tensor:
     """``layer``'s forward on ``x`` (at most its static input's length) as a replay, differentiable to ``x`` and
-    the real trainable parameters; counted on ``turn`` until its backward (``Turns``)."""
-    return _Replay.apply(layer, turn, x, *layer.trainable)
+    the real trainable parameters; counted on ``turn`` until its backward (``Turns``). ``restore``: called before
+    the backward's replay, to put the forward's metadata back into the static buffers the graphs read (another
+    forward of the bucket may have loaded its own since)."""
+    return _Replay.apply(layer, turn, restore, x, *layer.trainable)
 
 
 # ---------------------------------------------------------------------------------------------------------------

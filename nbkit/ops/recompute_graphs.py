@@ -11,7 +11,9 @@ forward in layer order, then, layer by layer in reverse, its recompute and its b
 are freed by its backward before the next layer's recompute is captured, so the pool holds one layer's activations,
 not one per layer. The static input, output and input gradient are ``Shared`` by the layers of a bucket (they replay
 one at a time) and copied into inside the graphs, so no layer's own output stays in the pool; its parameters'
-gradients likewise go into buffers of the layer's own (``grads_into``), shared by its graphs of every bucket. So
+gradients likewise go into buffers of the layer's own (``grads_into``, a ``LayerGrads``), shared by its graphs of
+every bucket; a backward hands autograd a copy of them only while another forward of the layer awaits its backward
+(whose replay would write over them before autograd has summed the two). So
 between any two replays nothing the pool's graphs wrote is alive: graphs of several captures (other buckets, layers
 captured later) can share the pool and replay in any order, except a recompute and its backward, which replay back
 to back.
@@ -31,6 +33,13 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .layer_graphs import GraphedLayer, load_static
+
+
+class LayerGrads(list):
+    """One layer's parameter-gradient buffers (a list of tensors, in ``trainable``'s order), shared by its graphs of
+    every bucket, and how many of its forward replays await their backward (``awaiting``)."""
+
+    awaiting: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,7 +66,7 @@ class RecomputedLayer:
                  label: str = "layer", grads_into: Optional[Sequence[torch.Tensor]] = None) -> None:
         """``grads_into``: the layer's parameter-gradient buffers, shared by its graphs of every bucket (default:
         its graphs' own, in the pool)."""
-        self.shared = shared
+        self.shared, self.grads_into = shared, grads_into
         self.graphed = GraphedLayer(module, forward_fn, shared.x, shared.x.requires_grad, static_kwargs, grad_out,
                                     backend, pool, label, shared=shared, grads_into=grads_into)
         self.trainable = self.graphed.trainable
@@ -101,19 +110,31 @@ class _RecomputeReplay(torch.autograd.Function):
     """A checkpointed layer's forward as one replay, keeping only its input; its backward as two more."""
 
     @staticmethod
-    def forward(ctx, layer: RecomputedLayer, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        ctx.layer, ctx.x_grad = layer, x.requires_grad
+    def forward(ctx, layer: RecomputedLayer, restore: Optional[Callable[[], None]], x: torch.Tensor,
+                *params: torch.Tensor) -> torch.Tensor:
+        ctx.layer, ctx.x_grad, ctx.restore = layer, x.requires_grad, restore
+        ctx.grads = layer.grads_into if isinstance(layer.grads_into, LayerGrads) and any(ctx.needs_input_grad) else None
+        if ctx.grads is not None:
+            ctx.grads.awaiting += 1
         ctx.save_for_backward(x)
         return layer.replay_forward(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (x,) = ctx.saved_tensors
+        if ctx.restore is not None:
+            ctx.restore()
         grad_x, grads = ctx.layer.replay_backward(x, grad.contiguous())
-        return (None, grad_x if ctx.x_grad else None, *grads)
+        if ctx.grads is not None:
+            ctx.grads.awaiting -= 1
+            if ctx.grads.awaiting > 0:  # another forward's backward replays into the same buffers
+                grads = [g.clone() if g is not None else None for g in grads]
+        return (None, None, grad_x if ctx.x_grad else None, *grads)
 
 
-def replay_checkpointed(layer: RecomputedLayer, x: torch.Tensor) -> torch.Tensor:
+def replay_checkpointed(layer: RecomputedLayer, x: torch.Tensor,
+                        restore: Optional[Callable[[], None]] = None) -> torch.Tensor:
     """``layer``'s forward on ``x`` as a replay, differentiable to ``x`` and the real trainable parameters, keeping
-    ``x`` alone for backward."""
-    return _RecomputeReplay.apply(layer, x, *layer.trainable)
+    ``x`` alone for backward. ``restore``: called before the recompute, to put this forward's metadata back into the
+    static buffers the graphs read (another forward of the bucket may have loaded its own since)."""
+    return _RecomputeReplay.apply(layer, restore, x, *layer.trainable)

@@ -70,17 +70,18 @@ shows on a CPU too.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..memory import fmt_bytes, gpu_in_use, gpu_reserved, pool_reserved
 from ..ops.layer_graphs import CudaGraphBackend, GraphedLayer, Turn, Turns, UnreachedParameters, replay, trainable_parameters
-from ..ops.recompute_graphs import RecomputedLayer, Shared, replay_checkpointed
+from ..ops.recompute_graphs import LayerGrads, RecomputedLayer, Shared, replay_checkpointed
 from ..ops.varlen_attention import KERNEL_FNS, PackedRun
 from ..say_once import SayOnce
 from ..settings import check_value
@@ -248,7 +249,7 @@ class CudaGraphs:
         self._pooled: set[Variant] = set()  # the variants captured into it
         self._turns = Turns()  # whose forward may replay in it (layer_graphs.Turns)
         self._alive_per_token = 0  # what a kept layer's graphs keep for good a token: static output, input gradient
-        self._grads: dict[int, list[torch.Tensor]] = {}  # a recomputed layer's parameter gradients, every bucket's
+        self._grads: dict[int, LayerGrads] = {}  # a recomputed layer's parameter gradients, every bucket's
         self._shared: dict[int, BucketMetadata] = {}  # by bucket
         self._plan_run: Optional[PackedRun] = None
         self._plan_of_run: Union[Eager, Variant, None] = None
@@ -341,10 +342,11 @@ class CudaGraphs:
         self._runner = None
 
     # ------------------------------------------------------------------------------------------------------- calls
-    def _replayable(self, runner: Any, layer: Any, hidden_states: torch.Tensor, args: tuple,
-                    kwargs: dict) -> tuple[Union[GraphedLayer, RecomputedLayer, Eager], Optional[Turn]]:
-        """The graphs this call replays, its bucket's metadata loaded, and the turn its replay counts on (kept
-        layers' graphs in the shared pool); or why it runs eagerly (said once per reason, counted)."""
+    def _replayable(self, runner: Any, layer: Any, hidden_states: torch.Tensor, args: tuple, kwargs: dict
+                    ) -> tuple[Union[GraphedLayer, RecomputedLayer, Eager], Optional[Turn], Optional[Callable[[], None]]]:
+        """The graphs this call replays, its bucket's metadata loaded, the turn its replay counts on (kept layers'
+        graphs in the shared pool) and what loads that metadata again before its backward; or why it runs eagerly
+        (said once per reason, counted)."""
         why, turn = _layer_reason(runner, layer), None
         if why is None:
             plan = self._plan(hidden_states, args, kwargs)
@@ -361,27 +363,28 @@ class CudaGraphs:
                 self.replays += 1
                 if isinstance(graphs, GraphedLayer) and plan in self._pooled:
                     turn = self._turns.take(plan)  # no other variant's is open: checked above
-                return graphs, turn
+                return graphs, turn, functools.partial(self._shared[plan.bucket].load, hidden_states.shape[1],
+                                                       kwargs, rope_key(layer.module), self._run(kwargs))
         self._say(f"eager:{why.text}", f"a layer call ran eagerly: {why.text}", logging.INFO)
         self.eager[why.text] = self.eager.get(why.text, 0) + 1
-        return why, None
+        return why, None, None
 
     def call_checkpointed(self, runner: Any, layer: Any, hidden_states: torch.Tensor, args: tuple,
                           kwargs: dict) -> Optional[torch.Tensor]:
         """One call of a checkpointed layer the plan graphs: a replay that keeps only the layer's input, or None
         (the runner then checkpoints the layer eagerly)."""
-        graphs, _ = self._replayable(runner, layer, hidden_states, args, kwargs)
+        graphs, _, restore = self._replayable(runner, layer, hidden_states, args, kwargs)
         if not isinstance(graphs, RecomputedLayer):
             return None
         self.checkpointed_replays += 1
-        return replay_checkpointed(graphs, hidden_states)
+        return replay_checkpointed(graphs, hidden_states, restore)
 
     def call(self, runner: Any, layer: Any, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> Any:
         """One call of a kept layer the plan graphs: a replay, or the eager layer (said once per reason, counted)."""
         index, original = layer.index, layer.original
-        graphs, turn = self._replayable(runner, layer, hidden_states, args, kwargs)
+        graphs, turn, restore = self._replayable(runner, layer, hidden_states, args, kwargs)
         if isinstance(graphs, GraphedLayer):
-            return replay(graphs, hidden_states, turn)
+            return replay(graphs, hidden_states, turn, restore)
         why = graphs
         if index in self._graphed and why is not CHECKPOINTED and torch.is_grad_enabled() and layer.module.training \
                 and not self._eager_keeps_activations(hidden_states, kwargs):
@@ -572,7 +575,7 @@ class CudaGraphs:
                     if not recomputed:
                         self._give_back_cache(x.device, bucket - self._recompute_tokens)
                     if i not in self._grads:
-                        self._grads[i] = [torch.zeros_like(p) for p in trainable_parameters(layer)]
+                        self._grads[i] = LayerGrads(torch.zeros_like(p) for p in trainable_parameters(layer))
                     graphs = RecomputedLayer(layer, record.original, self._shared_buffers(bucket, x, x_grad),
                                              static_kwargs, shared.grad_out, self.backend, pools[keep], label=label,
                                              grads_into=self._grads[i])

@@ -67,10 +67,11 @@ class BucketMetadata:
         self.grad_out: Optional[torch.Tensor] = None  # (1, bucket, hidden), made with the first layer's graphs
         self._source: Optional[PackedRun] = None  # the run of the forward loaded last (held: its id stays its own)
 
-    def load(self, tokens: int, kwargs: dict, key: Any) -> bool:
+    def load(self, tokens: int, kwargs: dict, key: Any, run: Optional[PackedRun] = None) -> bool:
         """Copy this forward's metadata in: the rows' once per forward, the position embeddings once per layer type.
-        False when a layer of an already loaded type is handed other (cos, sin): its call must run eagerly."""
-        run = self.packed.run_for(kwargs)
+        False when a layer of an already loaded type is handed other (cos, sin): its call must run eagerly. ``run``:
+        the forward's ``PackedRun`` (default: looked up from ``kwargs``, which finds it only during the forward)."""
+        run = run if run is not None else self.packed.run_for(kwargs)
         if run is None:
             raise RuntimeError("nbkit cuda_graphs: a graphed forward without its packed metadata (cached_packing)")
         if self._source is not run:
