@@ -282,3 +282,22 @@ def test_a_forward_of_another_bucket_before_the_backward_runs_eagerly_and_trains
     for (le, ge), (lg, gg) in zip(eager, graphed):
         assert lg == pytest.approx(le, rel=5e-3)
         assert max_relative(gg, ge) < 3e-2
+
+
+def test_two_forwards_of_one_bucket_before_their_backwards_train_checkpointed_graphs_as_the_eager_layers():
+    """Checkpointed layers as graphs (``cuda_graphs_checkpointed``), two forwards of one bucket before their
+    backward: each backward restores its forward's metadata and copies the shared gradient buffers while the other
+    is due; losses and gradients as the eager checkpointed layers'."""
+    from nbkit.speedups.cuda_graphs import CudaGraphs
+
+    model = _lora_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    rows = [[600, 400], [300, 500, 100]] * 3  # one bucket (1024), other documents in each row of a pair
+    eager = _rows_trained(model, rows, None, seed_of=lambda i: i, together=2)
+    graphs = CudaGraphs(mode=True, checkpointed=True)
+    graphed = _rows_trained(model, rows, graphs, seed_of=lambda i: i, together=2)
+    layers = 4
+    assert graphs.checkpointed_replays >= 2 * 2 * layers, graphs.counters()
+    for (le, ge), (lg, gg) in zip(eager, graphed):
+        assert lg == pytest.approx(le, rel=5e-3)
+        assert max_relative(gg, ge) < 3e-2
