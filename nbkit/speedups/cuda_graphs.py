@@ -357,14 +357,15 @@ class CudaGraphs:
                 why = graphs
             elif graphs.x.requires_grad != hidden_states.requires_grad:
                 why = OTHER_GRAD
-            elif not self._shared[plan.bucket].load(hidden_states.shape[1], kwargs, rope_key(layer.module)):
+            elif not (metadata := self._shared[plan.bucket]).load(
+                    tokens := hidden_states.shape[1], kwargs, key := rope_key(layer.module)):
                 why = OTHER_ROPE
             else:
                 self.replays += 1
                 if isinstance(graphs, GraphedLayer) and plan in self._pooled:
                     turn = self._turns.take(plan)  # no other variant's is open: checked above
-                return graphs, turn, functools.partial(self._shared[plan.bucket].load, hidden_states.shape[1],
-                                                       kwargs, rope_key(layer.module), self._run(kwargs))
+                # this forward's metadata, loaded again before its backward (another forward may have loaded its own)
+                return graphs, turn, functools.partial(metadata.load, tokens, kwargs, key, self._run(kwargs))
         self._say(f"eager:{why.text}", f"a layer call ran eagerly: {why.text}", logging.INFO)
         self.eager[why.text] = self.eager.get(why.text, 0) + 1
         return why, None, None
