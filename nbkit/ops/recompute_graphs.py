@@ -27,6 +27,7 @@ the pool.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -40,6 +41,16 @@ class LayerGrads(list):
     every bucket, and how many of its forward replays await their backward (``awaiting``)."""
 
     awaiting: int = 0
+
+    def due(self, owner: object) -> Callable[[], None]:
+        """Count one more forward awaiting its backward, until the returned callable is called (the backward: once,
+        however often a retained graph is backpropagated) or ``owner`` (the forward's autograd node) is freed
+        without a backward."""
+        self.awaiting += 1
+        return weakref.finalize(owner, self._done)
+
+    def _done(self) -> None:
+        self.awaiting -= 1
 
 
 @dataclass(frozen=True)
@@ -115,7 +126,7 @@ class _RecomputeReplay(torch.autograd.Function):
         ctx.layer, ctx.x_grad, ctx.restore = layer, x.requires_grad, restore
         ctx.grads = layer.grads_into if isinstance(layer.grads_into, LayerGrads) and any(ctx.needs_input_grad) else None
         if ctx.grads is not None:
-            ctx.grads.awaiting += 1
+            ctx.done = ctx.grads.due(ctx)
         ctx.save_for_backward(x)
         return layer.replay_forward(x)
 
@@ -126,7 +137,7 @@ class _RecomputeReplay(torch.autograd.Function):
             ctx.restore()
         grad_x, grads = ctx.layer.replay_backward(x, grad.contiguous())
         if ctx.grads is not None:
-            ctx.grads.awaiting -= 1
+            ctx.done()
             if ctx.grads.awaiting > 0:  # another forward's backward replays into the same buffers
                 grads = [g.clone() if g is not None else None for g in grads]
         return (None, None, grad_x if ctx.x_grad else None, *grads)
