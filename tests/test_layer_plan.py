@@ -210,6 +210,9 @@ def test_with_the_pools_known_the_allocators_cache_is_not_counted_twice(monkeypa
     assert budget.graphs_room(LIMIT // 8, pools=LIMIT // 4) is None  # 1 - (1/4 + 1/4) - 1/8 >= 1/4
     assert budget.graphs_room(LIMIT // 4 + 1, pools=LIMIT // 4) is not None  # the headroom still stays free
     assert budget.graphs_room(LIMIT // 8, pools=LIMIT) is not None  # held: at most all reserved
+    # a capture cannot take the cache's blocks (none are given back while it is under way): in its way, they go first
+    assert budget.cache_in_the_way(LIMIT // 8, pools=LIMIT // 4)
+    assert not budget.cache_in_the_way(LIMIT // 4 + 1, pools=LIMIT // 4)  # does not fit either way
 
 
 def test_off_cuda_nothing_is_crowded():

@@ -565,6 +565,10 @@ class CudaGraphs:
                 static_kwargs = shared.static_kwargs(kwargs, rope_key(layer))
                 label = f"decoder layer {i}"
                 if keep:
+                    if self._pools_reserved is not None:
+                        need = self._need(bucket, taken=len(kept) if pooled else None)
+                        self._give_back_cache(x.device, None if need is None else need + self._static_grads(layer),
+                                              pools=self._pools_reserved)
                     graphs = GraphedLayer(layer, record.original, shared.grad_out, x_grad, static_kwargs,
                                           shared.grad_out, self.backend, pools[keep], label=label)
                     before = gpu_in_use(x.device)
@@ -574,7 +578,7 @@ class CudaGraphs:
                     kept.append(graphs)
                 else:
                     if not recomputed:
-                        self._give_back_cache(x.device, bucket - self._recompute_tokens)
+                        self._give_back_cache(x.device, self._recompute_need(bucket - self._recompute_tokens))
                     if i not in self._grads:
                         self._grads[i] = LayerGrads(torch.zeros_like(p) for p in trainable_parameters(layer))
                     graphs = RecomputedLayer(layer, record.original, self._shared_buffers(bucket, x, x_grad),
@@ -698,10 +702,12 @@ class CudaGraphs:
         buffers = int(3 * per_token * sum(b for b in BUCKETS if b <= top and b not in made))
         return activations + grads + buffers
 
-    def _give_back_cache(self, device: torch.device, bucket: int) -> None:
-        """Before recompute graphs that fit only without the allocator's cached blocks: give those back (the pool
-        stands in for what the eager recompute took from them)."""
+    def _give_back_cache(self, device: torch.device, need: Optional[int], pools: Optional[int] = None) -> None:
+        """Before graphs of ``need`` bytes that fit only without the allocator's cached blocks: give those back.
+        Recompute graphs (``pools`` None): their pool stands in for what the eager recompute took from them. Kept
+        graphs beside pools that reserve ``pools``: the budget let them count on the cache, which their capture
+        cannot take from (``Budget.cache_in_the_way``)."""
         budget = self._runner.budget if self._runner is not None else None
-        need = self._recompute_need(bucket)
-        if device.type == "cuda" and budget is not None and need is not None and budget.cache_in_the_way(need):
+        if device.type == "cuda" and budget is not None and need is not None and \
+                budget.cache_in_the_way(need, pools=pools):
             torch.cuda.empty_cache()

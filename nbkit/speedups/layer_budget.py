@@ -18,10 +18,11 @@ every method says so (None), except where a test hands in its own ``readings``.
 - ``graphs_room(need)``: whether ``need`` more bytes of graph pools fit now; the pools' memory is reserved for good, so
   the room is the limit less what is reserved, and the step's own peak above the present must stay free. Given what
   the pools reserve (``pools``), what is held is what tensors hold plus the pools: the allocator's cached blocks are
-  where the step's own peak comes from, so they are not counted a second time. A pool
-  that stands in for the step's own eager allocations (checkpointed layers' recompute graphs: the recompute no
-  longer comes from the allocator's cache) counts from what tensors hold instead, the cache given back first
-  where it is in the way (``cache_in_the_way``).
+  where the step's own peak comes from, so they are not counted a second time; a capture cannot take them, though,
+  so they are given back first where they are in its way (``cache_in_the_way(need, pools)``). A pool that stands in
+  for the step's own eager allocations (checkpointed layers' recompute graphs: the recompute no longer comes from
+  the allocator's cache) counts from what tensors hold instead, the cache likewise given back first where it is in
+  the way (``cache_in_the_way(need)``).
 - ``crowded(need, in_use)``: whether a call that needs ``need`` more bytes would take the GPU past the margin (the tiled
   MLP's test; calls below ``COUNTS_FROM`` of the limit are never crowded).
 """
@@ -114,9 +115,12 @@ class Budget:
                     f"~{need / 2**30:.2f} GiB and {headroom / 2**30:.1f} GiB stay free for the step)")
         return None
 
-    def cache_in_the_way(self, need: int) -> bool:
-        """Whether ``need`` bytes of a pool that stands in fit only once the allocator's cache is given back."""
-        return self.graphs_room(need, stands_in=True) is None and self.graphs_room(need) is not None
+    def cache_in_the_way(self, need: int, pools: Optional[int] = None) -> bool:
+        """Whether ``need`` bytes of graph pools fit only once the allocator's cache is given back: a pool that stands
+        in (``pools`` None), or kept graphs beside pools that reserve ``pools`` (a capture's pool cannot take the
+        cache's blocks: the allocator gives none back while a capture is under way)."""
+        fits = self.graphs_room(need, stands_in=True) if pools is None else self.graphs_room(need, pools=pools)
+        return fits is None and self.graphs_room(need) is not None
 
     def crowded(self, need: int, extra: int = 0) -> bool:
         """Whether ``need`` more bytes (plus ``extra`` that the call adds beside them) would take the GPU past
