@@ -237,7 +237,18 @@ def test_two_forwards_of_one_bucket_before_their_backwards_give_checkpointed_lay
     assert graphs.checkpointed_replays == before + 2 * layers and graphs.eager == {}
     assert got[0] == pytest.approx(expected[0], rel=1e-5, abs=0)
     _close([got[1]], [expected[1]])
-    assert all(g.awaiting == 0 for g in graphs._grads.values()) and len(graphs._grads) == layers
+    assert [g.awaiting for g in graphs._grads.values()] == [0] * layers
+    # a forward never backpropagated stops counting with its autograd graph; a retained graph backpropagated twice
+    # counts once: neither leaves a later pair of forwards uncounted or counted for good
+    model(**first)
+    assert [g.awaiting for g in graphs._grads.values()] == [0] * layers
+    loss = model(**second).loss
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert [g.awaiting for g in graphs._grads.values()] == [0] * layers
+    again = summed(model)
+    assert again[0] == pytest.approx(expected[0], rel=1e-5, abs=0)
+    _close([again[1]], [expected[1]])
 
 
 def test_the_pools_bytes_are_counted_by_kind():
@@ -448,6 +459,27 @@ def test_recompute_graphs_are_sized_by_the_plan_and_count_from_what_tensors_hold
     assert graphs._memory_problem(cuda, 1024) is None  # kept graphs: sized by what graphs measured (none yet)
     assert runner.budget.cache_in_the_way(graphs._recompute_need(1024))  # 32 - 30 - 1 < 5: the cache goes first
     assert "no memory" in graphs._memory_problem(cuda, 8192, stands_in=True)  # 32 - 20 - 8 < 5
+
+
+def test_a_kept_capture_that_counts_on_the_cache_gives_it_back_first(monkeypatch):
+    """With the pools' reserved bytes known, the budget lets kept graphs count on the allocator's cached blocks (they
+    serve the step's peak); a capture cannot take from them (the allocator gives none back while it is under way),
+    so where only they are in the way they are given back before the capture."""
+    gib = 2**30
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: 29 * gib)  # 20 tensors, 2 pools, 7 cached
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    runner = LayerRunner()
+    runner.budget = Budget(cuda, readings=lambda device: (32 * gib, 25 * gib, 20 * gib))
+    graphs = CudaGraphs(mode=True)
+    graphs._runner = runner
+    graphs._give_back_cache(cuda, 1 * gib, pools=2 * gib)  # 32 - 22 - 1 >= 5 with the cache given back, not beside it
+    assert emptied == [1]
+    graphs._give_back_cache(cuda, 6 * gib, pools=2 * gib)  # fits neither way: the capture is refused, not helped
+    graphs._give_back_cache(cuda, None, pools=2 * gib)  # nothing measured yet
+    graphs._give_back_cache(torch.device("cpu"), 1 * gib, pools=2 * gib)
+    assert emptied == [1]
 
 
 def _attached(model, graphs):
