@@ -8,7 +8,7 @@ reductions over tokens); the padding itself adds exactly zero (checked on CPU, `
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, Union
 
 import pytest
 import torch
@@ -139,10 +139,11 @@ def _lora_model() -> torch.nn.Module:
 
 
 def _rows_trained(model: torch.nn.Module, rows: list[list[int]], graphs: Any, seed_of: Callable[[int], int],
-                  together: int = 1) -> list:
+                  together: Union[int, Sequence[int]] = 1) -> list:
     """Forward and backward of each packed row (documents of ``lengths``) with varlen attention and fused LoRA, and
     ``graphs`` (a ``CudaGraphs``, handed the packed attention whose runs it reads) when given: each step's loss and
-    LoRA gradients. A step is ``together`` rows: their forwards, then one backward of their summed losses."""
+    LoRA gradients. A step is ``together`` rows (or the next of ``together``'s sizes): their forwards, then one
+    backward of their summed losses."""
     from nbkit.ops.packed_boundaries import metadata_from_lengths
     from nbkit.speedups.fused_lora import FusedLoRA
     from nbkit.speedups.packed_attention import PackedAttention
@@ -153,12 +154,14 @@ def _rows_trained(model: torch.nn.Module, rows: list[list[int]], graphs: Any, se
     speedups = [packed, FusedLoRA()] + ([graphs] if graphs is not None else [])
     for s in speedups:
         assert s.attach(model)
+    sizes = [together] * -(-len(rows) // together) if isinstance(together, int) else list(together)
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
     out = []
     try:
-        for start in range(0, len(rows), together):
+        for start, size in zip(starts, sizes):
             model.zero_grad(set_to_none=True)
             loss = 0
-            for i in range(start, min(start + together, len(rows))):
+            for i in range(start, min(start + size, len(rows))):
                 meta = metadata_from_lengths(rows[i])
                 batch = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in meta.items()}
                 ids = torch.randint(0, 512, (1, sum(rows[i])), device="cuda",
@@ -287,17 +290,18 @@ def test_a_forward_of_another_bucket_before_the_backward_runs_eagerly_and_trains
 def test_two_forwards_of_one_bucket_before_their_backwards_train_checkpointed_graphs_as_the_eager_layers():
     """Checkpointed layers as graphs (``cuda_graphs_checkpointed``), two forwards of one bucket before their
     backward: each backward restores its forward's metadata and copies the shared gradient buffers while the other
-    is due; losses and gradients as the eager checkpointed layers'."""
+    is due; losses and gradients as the eager layers' (checkpointing changes no number)."""
     from nbkit.speedups.cuda_graphs import CudaGraphs
 
     model = _lora_model()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     rows = [[600, 400], [300, 500, 100]] * 3  # one bucket (1024), other documents in each row of a pair
-    eager = _rows_trained(model, rows, None, seed_of=lambda i: i, together=2)
+    steps = [1, 1, 2, 2]  # single rows first: the first step measures the layers eagerly, the second captures
+    eager = _rows_trained(model, rows, None, seed_of=lambda i: i, together=steps)  # no checkpointing: the same numbers
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     graphs = CudaGraphs(mode=True, checkpointed=True)
-    graphed = _rows_trained(model, rows, graphs, seed_of=lambda i: i, together=2)
+    graphed = _rows_trained(model, rows, graphs, seed_of=lambda i: i, together=steps)
     layers = 4
-    assert graphs.checkpointed_replays >= 2 * 2 * layers, graphs.counters()
+    assert graphs.checkpointed_replays >= (2 + 2) * layers, graphs.counters()  # both pairs replayed
     for (le, ge), (lg, gg) in zip(eager, graphed):
         assert lg == pytest.approx(le, rel=5e-3)
         assert max_relative(gg, ge) < 3e-2
