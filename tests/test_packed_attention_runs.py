@@ -2,7 +2,8 @@
 owns, and the ``"nbkit"`` attention registered over that owner's runs while it is attached (CPU, fp32).
 
 What could go wrong, each checked here: a checkpointed layer's recompute in the backward not finding its forward's
-run, or reading another forward's (micro-batches one after another, an evaluation forward between them); a second
+run, or reading another forward's (micro-batches one after another, an evaluation forward between them, two forwards
+before their backwards); a second
 forward reading the first's run (over a fresh tensor, or over the same tensor rewritten in place); the registry not
 put back at detach, or a second owner attached inside the first taking the first model's calls; the attention
 running without an owner or without a run it knows; the registry keeping a forgotten owner's model alive.
@@ -117,25 +118,48 @@ def test_a_checkpointed_layer_recomputes_on_its_own_forwards_run(runs, registry,
             torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_a_recompute_after_a_later_forward_raises_clearly(registry, one_thread):
-    """The owner keeps the latest forward's run: a checkpointed forward whose backward comes after another forward
-    finds none, and says so, instead of computing on the other forward's documents."""
-    model = _lora(checkpointing=True)
-    packed = PackedAttention()
-    assert packed.attach(model)
-    try:
-        first = model(**_batch([9, 20, 4], seed=0)).loss
-        model(**_batch([15, 15, 3], seed=1)).loss.backward()
-        with pytest.raises(RuntimeError, match="recomputed after a later forward"):
-            first.backward()
-    finally:
-        packed.detach()
+def test_a_recompute_after_a_later_forward_finds_its_own_forwards_run(runs, registry, one_thread):
+    """Two forwards before their backwards (a loss over two batches), checkpointed: the first forward's recompute
+    comes after the second forward and finds its own forward's documents (the run kept weakly while its tensors
+    live, made again without them), as plain TRL's checkpointing recomputes on its saved arguments: the losses and
+    gradients of the same forwards without checkpointing. Once the batches are gone, so are their runs."""
+    results = []
+    for checkpointing in (False, True):
+        first, second = _batch([9, 20, 4], seed=0), _batch([15, 15, 3], seed=1)
+        model = _lora(checkpointing)
+        packed = PackedAttention()
+        assert packed.attach(model)
+        runs.clear()
+        try:
+            model.zero_grad(set_to_none=True)
+            loss = model(**first).loss + model(**second).loss
+            loss.backward()
+            results.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+            recomputed = runs[2 * _layers(model):]
+            if checkpointing:  # the second forward's recomputes, then the first's, each on its own documents
+                assert [r.host_offsets for r in recomputed] == [second["nbkit_cu_seqlens_host"]] * _layers(model) + \
+                    [first["nbkit_cu_seqlens_host"]] * _layers(model)
+                assert all(r.cu_q is first["cu_seq_lens_q"] for r in recomputed[_layers(model):])
+            del loss, recomputed
+            runs.clear()
+            assert len(packed._runs) == 2  # the first forward's kept weakly while its batch lives
+            del first
+            gc.collect()
+            assert len(packed._runs) == 1  # its tensors gone: its run too
+        finally:
+            packed.detach()
+    (plain_loss, plain_grads), (loss, grads) = results
+    assert loss == pytest.approx(plain_loss, rel=1e-5)
+    assert grads.keys() == plain_grads.keys() and grads
+    for name in plain_grads:
+        torch.testing.assert_close(grads[name], plain_grads[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_a_second_forward_reads_its_own_run_not_the_firsts(runs, registry):
     """Each forward's layers read the run its pre-hook made, found by identity: a second forward over fresh
     tensors, and a third over the second's ``cu_seq_lens_q`` rewritten in place (a reused buffer), give their own
-    documents' logits. The first's run is gone once the second forward has run."""
+    documents' logits. Once the second forward has run, the first's run is made again from its own tensor
+    (kept weakly), never read by another's."""
     model = tiny_model("qwen3", VOCAB)
     layers = _layers(model)
     lens = ([6, 10, 8], [12, 4, 8], [3, 3, 18])
@@ -152,7 +176,10 @@ def test_a_second_forward_reads_its_own_run_not_the_firsts(runs, registry):
             first = model(input_ids=ids[0], **metas[0]).logits[0]
             assert packed.run_for(metas[0]) is runs[0]
             second = model(input_ids=ids[1], **metas[1]).logits[0]
-            assert packed.run_for(metas[0]) is None and packed.run_for(metas[1]) is runs[layers]
+            assert packed.run_for(metas[1]) is runs[layers]
+            again = packed.run_for(metas[0])
+            assert again is not runs[0] and again.cu_q is metas[0]["cu_seq_lens_q"] and again.host_offsets == \
+                runs[0].host_offsets
             reused.copy_(metas[2]["cu_seq_lens_q"])  # the second forward's tensor, holding the third's boundaries
             third_meta = {**metas[2], "cu_seq_lens_q": reused, "cu_seq_lens_k": reused}
             third = model(input_ids=ids[2], **third_meta).logits[0]

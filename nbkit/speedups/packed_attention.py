@@ -21,9 +21,11 @@ Contract:
   (generation) runs on the model's original attention implementation for that call, so nothing is silently wrong.
 - How a layer finds its forward's run: by what transformers hands every attention call anyway, the forward's
   ``cu_seq_lens_q`` tensor. The owner keeps a table from that tensor (by identity, the tensor held so its id stays
-  its own) to its run: the latest decoder forward's (kept until the next forward replaces it, so a checkpointed
-  layer recomputed in that forward's backward finds it) and the runs other code made over tensors of its own
-  (``remember``: a CUDA graph capture's, over a bucket's static buffers). ``run_for(kwargs)`` looks one up.
+  its own) to its run: the latest decoder forward's, so a checkpointed layer recomputed in that forward's backward
+  finds it; earlier forwards' while their tensor lives elsewhere (a checkpointed layer's saved arguments, where a
+  loop runs two forwards before their backwards), held weakly and without their tensors, the run made again at
+  each lookup; and the runs other code made over tensors of its own (``remember``: a CUDA graph capture's, over a
+  bucket's static buffers). ``run_for(kwargs)`` looks one up.
 - ``"nbkit"`` is registered with transformers' ``AttentionInterface`` at attach, as ``attend`` over the attached
   owner's runs, and put back at detach to what the registry held before (the unattached ``nbkit_attention_forward``,
   which raises, where it held nothing: transformers has no public way to unregister). A call whose
@@ -44,7 +46,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -172,8 +174,7 @@ def nbkit_attention_forward(module: torch.nn.Module, query: torch.Tensor, *args:
     raise RuntimeError(
         "the 'nbkit' attention was called without nbkit's per-forward metadata: no attached PackedAttention made a "
         "run for this call's cu_seq_lens_q. Attach nbkit.speedups.packed_attention.PackedAttention (FastSFT does "
-        "this) instead of setting attn_implementation by hand; a checkpointed layer recomputed after a later forward "
-        "ran finds none either (run each forward's backward before the next forward)"
+        "this) instead of setting attn_implementation by hand"
     )
 
 
@@ -241,9 +242,10 @@ class PackedAttention:
         self._config = None
         self._original_impl: str | None = None
         self._flex_fn = None
-        # id(cu_seq_lens_q) -> (that tensor, its run): the tensor held, so that no other tensor takes its id
-        self._runs: dict[int, tuple[torch.Tensor, PackedRun]] = {}
-        self._forward_key: int | None = None  # the latest decoder forward's entry, replaced by the next forward's
+        # id(cu_seq_lens_q) -> (that tensor, its run): the tensor held, so that no other tensor takes its id; an
+        # earlier forward's: (a weak reference to it, its run without tensors), dropped when the tensor goes
+        self._runs: dict[int, tuple[torch.Tensor | weakref.ref, PackedRun]] = {}
+        self._forward_key: int | None = None  # the latest decoder forward's entry, made weak by the next forward
         self._ledger = PatchLedger(self.name)
 
     # -- attach / detach -------------------------------------------------------------------------------------------
@@ -320,7 +322,29 @@ class PackedAttention:
         the plain path, a tensor of another forward)."""
         cu = kwargs.get("cu_seq_lens_q")
         entry = self._runs.get(id(cu)) if isinstance(cu, torch.Tensor) else None
-        return entry[1] if entry is not None and entry[0] is cu else None
+        if entry is None:
+            return None
+        held, run = entry
+        if isinstance(held, weakref.ref):  # an earlier forward's, its checkpointed layers recomputing: made again
+            return replace(run, cu_q=cu, cu_k=kwargs.get("cu_seq_lens_k", cu)) if held() is cu else None
+        return run if held is cu else None
+
+    def _keep_earlier(self, key: int) -> None:
+        """The latest forward's run, as another forward starts: kept, without holding its tensors or mask caches,
+        for as long as its ``cu_seq_lens_q`` tensor lives elsewhere (a checkpointed layer's saved arguments, in a
+        loop that runs two forwards before their backwards), then dropped."""
+        entry = self._runs.get(key)
+        if entry is None or isinstance(entry[0], weakref.ref):
+            return
+        owner = weakref.ref(self)
+
+        def gone(ref: weakref.ref) -> None:
+            found = owner()
+            if found is not None and found._runs.get(key, (None,))[0] is ref:
+                del found._runs[key]
+
+        self._runs[key] = (weakref.ref(entry[0], gone), replace(entry[1], cu_q=None, cu_k=None,
+                                                                       _flex_masks={}, _dense_masks={}))
 
     def remember(self, run: PackedRun) -> None:
         """Let ``run`` be found by its ``cu_q`` tensor (a run made outside a decoder forward: a graph capture's, over
@@ -384,10 +408,10 @@ class PackedAttention:
             training=module.training,
             flex_fn=self._flex_fn,
         )
-        # this forward's run replaces the previous forward's: a checkpointed layer's recompute in this forward's
-        # backward (which comes before the next forward) finds it, and no forward ever reads another's
+        # this forward's run is the latest; the previous forward's stays findable, weakly, while its tensors live (a
+        # checkpointed layer of it may recompute after this forward); no forward ever reads another's
         if self._forward_key is not None:
-            self._runs.pop(self._forward_key, None)
+            self._keep_earlier(self._forward_key)
         self.remember(run)
         self._forward_key = id(run.cu_q)
         return args, kwargs
