@@ -168,6 +168,22 @@ def test_every_buckets_kept_graphs_share_one_pool():
     assert graphs.captured == 8 and len(graphs._pooled) == 2 and pools == {id(graphs._kept_pool)}
 
 
+def _summed(model, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
+    """The forwards of ``batches``, then one backward of their summed losses (a loop that sums two losses): the
+    loss and the gradients."""
+    model.zero_grad(set_to_none=True)
+    loss = sum(model(**batch).loss for batch in batches)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _plain_model() -> torch.nn.Module:
+    model = _model()
+    for s in (PackedAttention(kernel="sdpa"), FusedLoRA()):
+        s.attach(model)
+    return model
+
+
 def test_a_forward_of_another_bucket_before_the_backward_runs_eagerly():
     """Two forwards before their backwards (a loop that sums two losses): with one pool for every bucket, the
     second bucket's replay would write over what the first bucket's backward still needs. Its layers run eagerly;
@@ -175,15 +191,9 @@ def test_a_forward_of_another_bucket_before_the_backward_runs_eagerly():
     first, second = _batch([200, 100], seed=1), _batch([100, 60], seed=2)  # buckets 384 and 256
 
     def summed(model):
-        model.zero_grad(set_to_none=True)
-        loss = model(**first).loss + model(**second).loss
-        loss.backward()
-        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return _summed(model, [first, second])
 
-    plain_model = _model()
-    for s in (PackedAttention(kernel="sdpa"), FusedLoRA()):
-        s.attach(plain_model)
-    expected = summed(plain_model)
+    expected = summed(_plain_model())
     _, graphs = _packed_graphs()
     model = _model()
     _attached(model, graphs)
@@ -216,15 +226,9 @@ def test_two_forwards_of_one_bucket_before_their_backwards_give_checkpointed_lay
     first, second = _batch([200, 100, 50], seed=5), _batch([60, 300], seed=6)  # both in the 384 bucket
 
     def summed(model):
-        model.zero_grad(set_to_none=True)
-        loss = model(**first).loss + model(**second).loss
-        loss.backward()
-        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return _summed(model, [first, second])
 
-    plain_model = _model()
-    for s in (PackedAttention(kernel="sdpa"), FusedLoRA()):
-        s.attach(plain_model)
-    expected = summed(plain_model)
+    expected = summed(_plain_model())
     _, graphs = _packed_graphs(checkpointed=True)
     model = _model()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -495,9 +499,7 @@ def _step(model, batch):
 
 
 def _plain(batches):
-    model = _model()
-    for s in (PackedAttention(kernel="sdpa"), FusedLoRA()):
-        s.attach(model)
+    model = _plain_model()
     return [_step(model, b) for b in batches]
 
 
