@@ -358,14 +358,14 @@ class CudaGraphs:
             elif graphs.x.requires_grad != hidden_states.requires_grad:
                 why = OTHER_GRAD
             elif not (metadata := self._shared[plan.bucket]).load(
-                    tokens := hidden_states.shape[1], kwargs, key := rope_key(layer.module)):
+                    tokens := hidden_states.shape[1], kwargs, key := rope_key(layer.module), run := self._run(kwargs)):
                 why = OTHER_ROPE
             else:
                 self.replays += 1
                 if isinstance(graphs, GraphedLayer) and plan in self._pooled:
                     turn = self._turns.take(plan)  # no other variant's is open: checked above
                 # this forward's metadata, loaded again before its backward (another forward may have loaded its own)
-                return graphs, turn, functools.partial(metadata.load, tokens, kwargs, key, self._run(kwargs))
+                return graphs, turn, functools.partial(metadata.load, tokens, kwargs, key, run)
         self._say(f"eager:{why.text}", f"a layer call ran eagerly: {why.text}", logging.INFO)
         self.eager[why.text] = self.eager.get(why.text, 0) + 1
         return why, None, None
