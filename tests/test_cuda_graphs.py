@@ -255,6 +255,64 @@ def test_two_forwards_of_one_bucket_before_their_backwards_give_checkpointed_lay
     _close([again[1]], [expected[1]])
 
 
+class _Warmups(TapeBackend):
+    """Tapes that count the warm-ups (each a whole eager forward and backward of a layer)."""
+
+    def __init__(self) -> None:
+        self.warm_ups = 0
+
+    def warm_up(self, fn, device):
+        self.warm_ups += 1
+        fn()
+
+
+def _wide_mlp_model(layer: int) -> torch.nn.Module:
+    """``_model`` with one decoder layer's MLP twice as wide: a layer of another shape."""
+    import copy
+
+    base = tiny_model("qwen3", VOCAB, seed=0)
+    config = copy.copy(base.config)
+    config.intermediate_size *= 2
+    mlp = base.model.layers[layer].mlp
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        base.model.layers[layer].mlp = type(mlp)(config)
+    torch.manual_seed(0)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
+    return model.train()
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_capture_warms_up_each_layer_shape_once(checkpointed):
+    """A warm-up (an eager forward and backward, so kernels and workspaces exist before the capture) is a whole
+    layer step: one capture call warms up one layer of each shape (class, attention type, parameters, whether its
+    input needs grad) and captures the others of that shape on what it made. The numbers stay the eager layers'."""
+    batches = [_batch(lengths, seed) for seed, lengths in enumerate(BATCHES)]
+    plain_model = _wide_mlp_model(layer=2)
+    for s in (PackedAttention(kernel="sdpa"), FusedLoRA()):
+        s.attach(plain_model)
+    expected = [_step(plain_model, b) for b in batches]
+    backend = _Warmups()
+    graphs = CudaGraphs(mode=True, backend=backend, packed=PackedAttention(kernel="sdpa"), checkpointed=checkpointed)
+    model = _wide_mlp_model(layer=2)
+    if checkpointed:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _attached(model, graphs)
+    got = [_step(model, b) for b in batches]
+    assert graphs.counters()["captures"] == 2 and graphs.eager == {}  # buckets 384 and 256
+    if checkpointed:  # inputs need grad (checkpointing); a shape's warm-up runs the forward with grad and without
+        assert graphs.checkpointed_replays == 4 * 3 and backend.warm_ups == 2 * 2 * 2
+    else:  # layer 0 (its input needs no grad), layers 1 and 3, layer 2 (its MLP twice as wide)
+        assert graphs.replays == 4 * 4 and backend.warm_ups == 2 * 3
+    for (loss, grads), (want_loss, want_grads) in zip(got, expected):
+        assert loss == pytest.approx(want_loss, rel=1e-5, abs=0)
+        _close([grads], [want_grads])
+
+
 def test_the_pools_bytes_are_counted_by_kind():
     """What explains an out-of-memory under graphs: the reserved bytes of each kind of pool, from the allocator's
     snapshot (every segment of a pool, whatever its blocks hold); the default pool's are not the graphs'."""

@@ -33,7 +33,9 @@ How:
   plan graphs later (kept by the plan's first or second look, after step 1 ran it checkpointed) is captured at its
   next call, in a pool of its own: it replays between its bucket's other layers. Each layer's graph gets its own
   ``PackedRun`` over the bucket's static buffers, made inside its capture, so a mask an attention kernel builds on
-  first use is built by that graph at every replay. ``capture_s`` counts the seconds spent capturing.
+  first use is built by that graph at every replay. One layer of each shape is warmed up per capture call (an
+  eager step of it, so kernels and workspaces exist); the others capture on what it made. ``capture_s`` counts
+  the seconds spent capturing.
 
 Eager instead, per call the runner hands it, said once per reason and counted in ``eager`` (each reason an
 ``Eager``: its text, and whether it holds for this call, until the plan graphs the layer, or for the variant): more
@@ -122,6 +124,14 @@ def _hooked(layer: torch.nn.Module) -> bool:
     if any(getattr(nn_module, f"_global{name}", None) for name in _HOOKS):
         return True
     return any(getattr(m, name, None) for m in layer.modules() if m is not layer for name in _HOOKS)
+
+
+def _layer_shape(layer: torch.nn.Module) -> tuple:
+    """What makes two decoder layers run the same kernels on the same shapes: their class, attention type and
+    parameters' shapes and dtypes. One warm-up per shape in a capture call (a warm-up is a whole eager forward and
+    backward of the layer); the layers after it capture on the kernels and workspaces it made."""
+    params = tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in layer.named_parameters())
+    return type(layer), rope_key(layer), params
 
 
 class Kind(enum.Enum):
@@ -524,6 +534,7 @@ class CudaGraphs:
         recomputed: list[RecomputedLayer] = []
         attempted: list[int] = []
         captured: list[tuple[int, Union[GraphedLayer, RecomputedLayer]]] = []
+        warmed: set[tuple] = set()  # (kept, layer shape) warmed up in this call: its kernels and workspaces exist
         x_grad = x.requires_grad
         try:
             for i in range(first, len(self._layers)):
@@ -564,6 +575,9 @@ class CudaGraphs:
                     pools[keep] = (self._kept_pool if pooled else self._own_pools[-1]) if keep else self._recompute_pool
                 static_kwargs = shared.static_kwargs(kwargs, rope_key(layer))
                 label = f"decoder layer {i}"
+                shape = (keep, x_grad, _layer_shape(layer))
+                warm = shape not in warmed
+                warmed.add(shape)
                 if keep:
                     if self._pools_reserved is not None:
                         need = self._need(bucket, taken=len(kept) if pooled else None)
@@ -572,7 +586,7 @@ class CudaGraphs:
                     graphs = GraphedLayer(layer, record.original, shared.grad_out, x_grad, static_kwargs,
                                           shared.grad_out, self.backend, pools[keep], label=label)
                     before = gpu_in_use(x.device)
-                    graphs.capture_forward()
+                    graphs.capture_forward(warm=warm)
                     if x.is_cuda:  # what the forward's graph keeps, twice: the backward's graph comes on top
                         self._measured(2 * (gpu_in_use(x.device) - before), bucket)
                     kept.append(graphs)
@@ -584,7 +598,7 @@ class CudaGraphs:
                     graphs = RecomputedLayer(layer, record.original, self._shared_buffers(bucket, x, x_grad),
                                              static_kwargs, shared.grad_out, self.backend, pools[keep], label=label,
                                              grads_into=self._grads[i])
-                    graphs.capture_forward(warm=not recomputed)
+                    graphs.capture_forward(warm=warm)
                     recomputed.append(graphs)
                 captured.append((i, graphs))
                 x_grad = x_grad or bool(graphs.trainable)
