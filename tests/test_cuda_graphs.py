@@ -489,12 +489,13 @@ def test_a_kept_capture_counts_its_static_parameter_gradients(monkeypatch):
     model = _model()
     _attached(model, graphs)
     monkeypatch.setattr(CudaGraphs, "_memory_problem", lambda self, device, bucket, layers=1, **kw: asked.append(
-        kw.get("grads")) or None)
+        (layers, kw.get("grads"))) or None)
     graphs._layer_bytes, graphs._layer_bucket = 1, 256  # as a CUDA capture measures them (the CPU tape does not)
     _step(model, _batch([120, 80, 100], seed=1))
     layer = graphs._layers[0].module
     lora = sum(p.numel() * p.element_size() for n, p in layer.named_parameters() if "lora_" in n)
-    assert graphs.captured == 4 and lora > 0 and asked[-4:] == [lora] * 4
+    # whether the bucket fits at all (every kept layer's, before falling back to a larger bucket), then each layer
+    assert graphs.captured == 4 and lora > 0 and asked == [(4, 4 * lora)] + [(1, lora)] * 4
     for p in layer.parameters():
         p.requires_grad_(True)  # a full fine-tune: every weight's gradient
     assert CudaGraphs._static_grads(layer) == sum(p.numel() * p.element_size() for p in layer.parameters()) > 10 * lora
