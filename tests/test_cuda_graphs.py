@@ -437,7 +437,9 @@ def test_another_layer_is_captured_only_while_the_step_keeps_its_headroom(monkey
     assert graphs._memory_problem(cuda, 4096, layers=8) is not None  # 12 - 8 < 5
     assert graphs._memory_problem(cuda, 2048, layers=8) is None  # 12 - 4 >= 5: half the bucket, half the bytes
     readings.update(reserved=27 * gib)  # 7 GiB held by pools, not by tensors
+    graphs._pools_reserved = 7 * gib
     assert "5.0 GiB not reserved" in graphs._memory_problem(cuda, 4096)
+    graphs._pools_reserved = 0
     readings.update(reserved=20 * gib, peak=32 * gib)
     assert "12.0 GiB stay free" in graphs._memory_problem(cuda, 4096)  # the step may still need 12 GiB more
     readings.update(peak=20 * gib, limit=31.5 * gib)
@@ -452,9 +454,9 @@ def test_another_layer_is_captured_only_while_the_step_keeps_its_headroom(monkey
 
 
 def test_kept_graphs_are_refused_by_what_the_pools_reserve_not_by_the_allocators_cache(monkeypatch):
-    """After a capture the graphs know what their pools reserve; a kept layer's graphs are then asked for by that
-    figure and what tensors hold (``Budget.graphs_room(pools=)``): the cache that serves the step's own peak does not
-    count twice. Recompute graphs keep counting from what tensors hold."""
+    """A kept layer's graphs are asked for by what the pools reserve (none before the first capture, read after each)
+    and what tensors hold (``Budget.graphs_room(pools=)``): the cache that serves the step's own peak does not count
+    twice, at the first capture as at later ones. Recompute graphs keep counting from what tensors hold."""
     gib = 2**30
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: 27 * gib)  # 20 held by tensors, 2 by pools
@@ -463,7 +465,8 @@ def test_kept_graphs_are_refused_by_what_the_pools_reserve_not_by_the_allocators
     graphs = CudaGraphs(mode=True)
     graphs._runner = runner
     graphs._layer_bytes, graphs._layer_bucket = 1 * gib, 4096
-    assert "5.0 GiB not reserved" in graphs._memory_problem(cuda, 4096)  # nothing captured yet: all reserved counts
+    assert graphs._memory_problem(cuda, 4096) is None  # no pools yet: 32 - 20 - 1 >= 5
+    assert "12.0 GiB not reserved" in graphs._memory_problem(cuda, 4096, layers=8)  # 32 - 20 - 8 < 5
     graphs._pools_reserved = 2 * gib
     assert graphs._memory_problem(cuda, 4096) is None  # 32 - 22 - 1 >= 5
     assert graphs._memory_problem(cuda, 4096, layers=6) is not None  # 32 - 22 - 6 < 5

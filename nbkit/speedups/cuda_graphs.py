@@ -255,7 +255,7 @@ class CudaGraphs:
         self._own_pools: list = []  # kept layers' graphs captured late, a pool a capture call
         self._kept_activations = 0  # what their activations take of it, as _need sizes them: the most of one capture
         self._kept_tokens = 0  # the largest bucket captured into it
-        self._pools_reserved: Optional[int] = None  # what every pool reserves, read after each capture (on CUDA)
+        self._pools_reserved = 0  # what every pool reserves: none before the first capture, read after each (CUDA)
         self._pooled: set[Variant] = set()  # the variants captured into it
         self._turns = Turns()  # whose forward may replay in it (layer_graphs.Turns)
         self._alive_per_token = 0  # what a kept layer's graphs keep for good a token: static output, input gradient
@@ -579,10 +579,9 @@ class CudaGraphs:
                 warm = shape not in warmed
                 warmed.add(shape)
                 if keep:
-                    if self._pools_reserved is not None:
-                        need = self._need(bucket, taken=len(kept) if pooled else None)
-                        self._give_back_cache(x.device, None if need is None else need + self._static_grads(layer),
-                                              pools=self._pools_reserved)
+                    need = self._need(bucket, taken=len(kept) if pooled else None)
+                    self._give_back_cache(x.device, None if need is None else need + self._static_grads(layer),
+                                          pools=self._pools_reserved)
                     graphs = GraphedLayer(layer, record.original, shared.grad_out, x_grad, static_kwargs,
                                           shared.grad_out, self.backend, pools[keep], label=label)
                     before = gpu_in_use(x.device)
