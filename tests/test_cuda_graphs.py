@@ -472,9 +472,10 @@ def test_kept_graphs_are_refused_by_what_the_pools_reserve_not_by_the_allocators
     assert graphs._memory_problem(cuda, 4096, layers=6) is not None  # 32 - 22 - 6 < 5
 
 
-def test_a_kept_capture_counts_its_static_parameter_gradients(monkeypatch):
-    """A kept layer's backward graph leaves its parameters' gradients in its pool for good, one set a capture: small
-    with LoRA, a layer's size in a full fine-tune. The capture asks the budget for them beside the activations."""
+def test_a_layers_first_capture_counts_its_gradient_buffers(monkeypatch):
+    """A graphed layer's backward writes its parameters' gradients into buffers of the layer's own, made at its first
+    capture and shared by its graphs of every bucket (small with LoRA, a layer's size in a full fine-tune). That
+    capture asks the budget for them beside the activations; later buckets' do not."""
     gib = 2**30
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: 20 * gib)
@@ -485,7 +486,7 @@ def test_a_kept_capture_counts_its_static_parameter_gradients(monkeypatch):
     graphs._layer_bytes, graphs._layer_bucket = 1 * gib, 4096
     assert graphs._memory_problem(cuda, 4096, grads=7 * gib) is None  # 12 - 8 >= 3.2
     assert graphs._memory_problem(cuda, 4096, grads=8 * gib) is not None  # 12 - 9 < 3.2
-    assert graphs._memory_problem(cuda, 4096, stands_in=True, grads=8 * gib) is None  # recompute: grads_into, not pool
+    assert graphs._memory_problem(cuda, 4096, stands_in=True, grads=8 * gib) is None  # recompute: the plan's reserve
 
     asked = []
     _, graphs = _packed_graphs()
@@ -499,53 +500,44 @@ def test_a_kept_capture_counts_its_static_parameter_gradients(monkeypatch):
     lora = sum(p.numel() * p.element_size() for n, p in layer.named_parameters() if "lora_" in n)
     # whether the bucket fits at all (every kept layer's, before falling back to a larger bucket), then each layer
     assert graphs.captured == 4 and lora > 0 and asked == [(4, 4 * lora)] + [(1, lora)] * 4
-    for p in layer.parameters():
-        p.requires_grad_(True)  # a full fine-tune: every weight's gradient
-    assert CudaGraphs._static_grads(layer) == sum(p.numel() * p.element_size() for p in layer.parameters()) > 10 * lora
+    asked.clear()
+    _step(model, _batch([120, 80], seed=2))  # another bucket: the layers' buffers are there already
+    assert graphs.captured == 8 and asked == [(4, 0)] + [(1, 0)] * 4
+    assert all(graphs._graphs[(0, v)].grads_into is graphs._grads[0] for (i, v) in graphs._graphs if i == 0)
 
 
-def test_recompute_graphs_are_sized_by_the_plan_and_count_from_what_tensors_hold(monkeypatch):
-    """A checkpointed layer's recompute graphs hold one layer's activations in one pool for the run: sized by the
-    plan's measured cost of keeping a layer (at its longest micro-batch) scaled to the tokens the pool grows by, and
-    counted from what tensors hold, not what the allocator reserved: the pool stands in for the eager recompute's
-    allocations, and the cached blocks are given back first where they are in the way."""
-    from nbkit.speedups.layer_plan import UNSIZED, LayerCost
+def test_every_buckets_graphs_of_a_full_fine_tune_share_one_set_of_gradients():
+    """A full fine-tune's gradients are the layer's size: its graphs of every bucket write them into one set of
+    buffers, and the numbers stay the eager layers'."""
+    def full(model):
+        return model.train()
 
-    gib = 2**30
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: 30 * gib)  # the cache holds 10 GiB
-    runner = LayerRunner()
-    runner.budget = Budget(cuda, readings=lambda device: (32 * gib, 25 * gib, 20 * gib))
-    graphs = CudaGraphs(mode=True)
-    graphs._runner = runner
-    assert graphs._memory_problem(cuda, 4096, stands_in=True) is None  # nothing measured yet: nothing to size by
-    runner.costs, runner.max_tokens = [LayerCost(4 * gib, 2 * gib, 0), LayerCost(UNSIZED, UNSIZED, 0)], 4096
-    assert graphs._recompute_need(1024) == 1 * gib  # the largest measured layer, at a quarter of its tokens
-    assert graphs._memory_problem(cuda, 1024, stands_in=True) is None  # 32 - 20 - 1 >= max(3.2, 5)
-    assert graphs._memory_problem(cuda, 1024) is None  # kept graphs: sized by what graphs measured (none yet)
-    assert runner.budget.cache_in_the_way(graphs._recompute_need(1024))  # 32 - 30 - 1 < 5: the cache goes first
-    assert "no memory" in graphs._memory_problem(cuda, 8192, stands_in=True)  # 32 - 20 - 8 < 5
-
-
-def test_a_kept_capture_that_counts_on_the_cache_gives_it_back_first(monkeypatch):
-    """With the pools' reserved bytes known, the budget lets kept graphs count on the allocator's cached blocks (they
-    serve the step's peak); a capture cannot take from them (the allocator gives none back while it is under way),
-    so where only they are in the way they are given back before the capture."""
-    gib = 2**30
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: 29 * gib)  # 20 tensors, 2 pools, 7 cached
-    emptied = []
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
-    runner = LayerRunner()
-    runner.budget = Budget(cuda, readings=lambda device: (32 * gib, 25 * gib, 20 * gib))
-    graphs = CudaGraphs(mode=True)
-    graphs._runner = runner
-    graphs._give_back_cache(cuda, 1 * gib, pools=2 * gib)  # 32 - 22 - 1 >= 5 with the cache given back, not beside it
-    assert emptied == [1]
-    graphs._give_back_cache(cuda, 6 * gib, pools=2 * gib)  # fits neither way: the capture is refused, not helped
-    graphs._give_back_cache(cuda, None, pools=2 * gib)  # nothing measured yet
-    graphs._give_back_cache(torch.device("cpu"), 1 * gib, pools=2 * gib)
-    assert emptied == [1]
+    batches = [_batch(lengths, seed) for seed, lengths in enumerate(BATCHES)]
+    plain = full(tiny_model("qwen3", VOCAB, seed=0))
+    PackedAttention(kernel="sdpa").attach(plain)
+    expected = [_step(plain, b) for b in batches]
+    packed, graphs = _packed_graphs()
+    model = full(tiny_model("qwen3", VOCAB, seed=0))
+    for s in (packed, graphs):
+        assert s.attach(model)
+    got = [_step(model, b) for b in batches]
+    assert graphs.captured == 8 and graphs.eager == {}  # buckets 384 and 256
+    layer = graphs._layers[1].module
+    buffers = [t.data_ptr() for t in graphs._grads[1]]
+    for bucket in (384, 256):  # the static gradients each bucket's backward returns: the input's, then the buffers
+        entry = next(e for (i, v), e in graphs._graphs.items() if i == 1 and v.bucket == bucket)
+        assert [t.data_ptr() for t in entry.grads[1:]] == buffers
+    assert sum(t.numel() for t in graphs._grads[1]) == sum(p.numel() for p in layer.parameters())
+    for (loss, grads), (want_loss, want_grads) in zip(got, expected):
+        assert loss == pytest.approx(want_loss, rel=1e-5, abs=0)
+        _close([grads], [want_grads])
+    # a forward never backpropagated, and a retained graph backpropagated twice, leave no forward counted as awaiting
+    model(**batches[0])
+    loss = model(**batches[1]).loss
+    assert [g.awaiting for g in graphs._grads.values()] == [1] * 4
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert [g.awaiting for g in graphs._grads.values()] == [0] * 4
 
 
 def _attached(model, graphs):

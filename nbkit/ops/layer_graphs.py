@@ -187,6 +187,23 @@ def trainable_parameters(module: torch.nn.Module) -> tuple:
                   if p is not None and p.requires_grad}.values())
 
 
+class LayerGrads(list):
+    """One layer's parameter-gradient buffers (a list of tensors, in ``trainable``'s order), shared by its graphs of
+    every bucket, and how many of its forward replays await their backward (``awaiting``)."""
+
+    awaiting: int = 0
+
+    def due(self, owner: object) -> Callable[[], None]:
+        """Count one more forward awaiting its backward, until the returned callable is called (the backward: once,
+        however often a retained graph is backpropagated) or ``owner`` (the forward's autograd node) is freed
+        without a backward."""
+        self.awaiting += 1
+        return weakref.finalize(owner, self._done)
+
+    def _done(self) -> None:
+        self.awaiting -= 1
+
+
 class GraphedLayer:
     """One module's forward and backward graphs: static input, static output, static gradients."""
 
@@ -200,7 +217,9 @@ class GraphedLayer:
         back (``RecomputedLayer``); then the output and the input's gradient are copied into them inside the graphs,
         and the pool keeps nothing of this layer between replays but its parameters' gradients; ``grads_into``:
         buffers (one per trainable parameter, in ``trainable``'s order) the parameters' gradients are copied into
-        instead, so that not even those stay in the pool (several buckets' graphs of one layer share them)."""
+        instead, so that not even those stay in the pool (several buckets' graphs of one layer share them; a
+        ``LayerGrads``: a backward hands autograd copies of them while another forward of the layer awaits its
+        backward)."""
         self.forward_fn, self.static_kwargs, self.grad_out = forward_fn, static_kwargs, grad_out
         self.backend, self.pool, self.label, self.shared, self.grads_into = backend, pool, label, shared, grads_into
         slots = [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None and p.requires_grad]
@@ -356,6 +375,9 @@ class _Replay(torch.autograd.Function):
         ctx.turn = turn if any(ctx.needs_input_grad) else None  # a replay no backward follows holds no turn
         if ctx.turn is not None:
             ctx.turn.open += 1
+        ctx.grads = layer.grads_into if isinstance(layer.grads_into, LayerGrads) and any(ctx.needs_input_grad) else None
+        if ctx.grads is not None:
+            ctx.done = ctx.grads.due(ctx)
         return out
 
     @staticmethod
@@ -371,6 +393,10 @@ class _Replay(torch.autograd.Function):
         grad_x, grads = ctx.layer.replay_backward(grad.contiguous(), ctx.generation)
         if turn is not None:
             turn.open = max(0, turn.open - 1)
+        if ctx.grads is not None:
+            ctx.done()
+            if ctx.grads.awaiting > 0:  # another forward's backward replays into the same buffers
+                grads = [g.clone() if g is not None else None for g in grads]
         return (None, None, None, grad_x if ctx.x_grad else None, *grads)
 
 

@@ -27,30 +27,12 @@ the pool.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .layer_graphs import GraphedLayer, load_static
-
-
-class LayerGrads(list):
-    """One layer's parameter-gradient buffers (a list of tensors, in ``trainable``'s order), shared by its graphs of
-    every bucket, and how many of its forward replays await their backward (``awaiting``)."""
-
-    awaiting: int = 0
-
-    def due(self, owner: object) -> Callable[[], None]:
-        """Count one more forward awaiting its backward, until the returned callable is called (the backward: once,
-        however often a retained graph is backpropagated) or ``owner`` (the forward's autograd node) is freed
-        without a backward."""
-        self.awaiting += 1
-        return weakref.finalize(owner, self._done)
-
-    def _done(self) -> None:
-        self.awaiting -= 1
+from .layer_graphs import GraphedLayer, LayerGrads, load_static
 
 
 @dataclass(frozen=True)

@@ -82,8 +82,17 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..memory import fmt_bytes, gpu_in_use, gpu_reserved, pool_reserved
-from ..ops.layer_graphs import CudaGraphBackend, GraphedLayer, Turn, Turns, UnreachedParameters, replay, trainable_parameters
-from ..ops.recompute_graphs import LayerGrads, RecomputedLayer, Shared, replay_checkpointed
+from ..ops.layer_graphs import (
+    CudaGraphBackend,
+    GraphedLayer,
+    LayerGrads,
+    Turn,
+    Turns,
+    UnreachedParameters,
+    replay,
+    trainable_parameters,
+)
+from ..ops.recompute_graphs import RecomputedLayer, Shared, replay_checkpointed
 from ..ops.varlen_attention import KERNEL_FNS, PackedRun
 from ..say_once import SayOnce
 from ..settings import check_value
@@ -259,7 +268,7 @@ class CudaGraphs:
         self._pooled: set[Variant] = set()  # the variants captured into it
         self._turns = Turns()  # whose forward may replay in it (layer_graphs.Turns)
         self._alive_per_token = 0  # what a kept layer's graphs keep for good a token: static output, input gradient
-        self._grads: dict[int, LayerGrads] = {}  # a recomputed layer's parameter gradients, every bucket's
+        self._grads: dict[int, LayerGrads] = {}  # a graphed layer's parameter gradients, every bucket's and plan's
         self._shared: dict[int, BucketMetadata] = {}  # by bucket
         self._plan_run: Optional[PackedRun] = None
         self._plan_of_run: Union[Eager, Variant, None] = None
@@ -472,7 +481,8 @@ class CudaGraphs:
             return variant
         eligible = sum(1 for layer in self._layers if self._runner.plans[layer.index].graphed
                        and self._runner.plans[layer.index].activations == KEPT)
-        grads = max(eligible, 1) * self._static_grads(self._layers[0].module)
+        grads = sum(self._new_grads(layer.index, layer.module) for layer in self._layers
+                    if self._runner.plans[layer.index].graphed and self._runner.plans[layer.index].activations == KEPT)
         if self._memory_problem(x.device, variant.bucket, max(eligible, 1), taken=0, grads=grads) is None:
             return variant
         larger = sorted({v for (i, v), e in self._graphs.items() if isinstance(e, GraphedLayer)
@@ -551,7 +561,7 @@ class CudaGraphs:
                     self._say(f"hooks{i}", f"layer {i} runs eagerly: a module inside it has hooks (they would run "
                               "at the capture only)")
                 elif (keep or not recomputed) and (memory := self._memory_problem(
-                        x.device, bucket, taken=len(kept) if pooled else None, grads=self._static_grads(layer))
+                        x.device, bucket, taken=len(kept) if pooled else None, grads=self._new_grads(i, layer))
                         if keep else self._memory_problem(
                         x.device, bucket - self._recompute_tokens, stands_in=True)) is not None:
                     # the recomputed layers' one pool holds one layer's activations at its largest bucket: what a
@@ -580,10 +590,11 @@ class CudaGraphs:
                 warmed.add(shape)
                 if keep:
                     need = self._need(bucket, taken=len(kept) if pooled else None)
-                    self._give_back_cache(x.device, None if need is None else need + self._static_grads(layer),
+                    self._give_back_cache(x.device, None if need is None else need + self._new_grads(i, layer),
                                           pools=self._pools_reserved)
                     graphs = GraphedLayer(layer, record.original, shared.grad_out, x_grad, static_kwargs,
-                                          shared.grad_out, self.backend, pools[keep], label=label)
+                                          shared.grad_out, self.backend, pools[keep], label=label,
+                                          grads_into=self._layer_grads(i, layer))
                     before = gpu_in_use(x.device)
                     graphs.capture_forward(warm=warm)
                     if x.is_cuda:  # what the forward's graph keeps, twice: the backward's graph comes on top
@@ -592,11 +603,9 @@ class CudaGraphs:
                 else:
                     if not recomputed:
                         self._give_back_cache(x.device, self._recompute_need(bucket - self._recompute_tokens))
-                    if i not in self._grads:
-                        self._grads[i] = LayerGrads(torch.zeros_like(p) for p in trainable_parameters(layer))
                     graphs = RecomputedLayer(layer, record.original, self._shared_buffers(bucket, x, x_grad),
                                              static_kwargs, shared.grad_out, self.backend, pools[keep], label=label,
-                                             grads_into=self._grads[i])
+                                             grads_into=self._layer_grads(i, layer))
                     graphs.capture_forward(warm=warm)
                     recomputed.append(graphs)
                 captured.append((i, graphs))
@@ -648,9 +657,9 @@ class CudaGraphs:
                         taken: Optional[int] = None, grads: int = 0) -> Optional[str]:
         """Why ``layers`` more layers' graphs at ``bucket`` tokens do not fit now, or None (the run's budget decides:
         ``Budget.graphs_room``; ``stands_in``: recompute graphs, one layer's activations at ``bucket`` tokens;
-        ``taken``: kept graphs in the run's kept pool, after ``taken`` layers of the same capture; ``grads``: their
-        static parameter gradients, ``_static_grads``). Nothing to size
-        by before the first layer's graphs were measured, or the plan measured its layers."""
+        ``taken``: kept graphs in the run's kept pool, after ``taken`` layers of the same capture; ``grads``: the
+        parameter-gradient buffers they make, ``_new_grads``). Nothing to size by before the first layer's graphs
+        were measured, or the plan measured its layers."""
         if self._runner is None or self._runner.budget is None:
             return None
         need = self._recompute_need(bucket) if stands_in else self._need(bucket, layers, taken)
@@ -673,11 +682,19 @@ class CudaGraphs:
         beyond = lambda n: max(0, n * activations - self._kept_activations)  # noqa: E731
         return layers * (one - activations) + beyond(taken + layers) - beyond(taken)
 
-    @staticmethod
-    def _static_grads(layer: torch.nn.Module) -> int:
-        """What a kept capture's backward leaves in its pool for good beside what ``_need`` sizes: its static
-        parameter gradients, one set per capture (small with LoRA; a full fine-tune's are the layer's size)."""
+    def _new_grads(self, index: int, layer: torch.nn.Module) -> int:
+        """What a capture of layer ``index`` makes for good beside what ``_need`` sizes: its parameter-gradient
+        buffers, at its first capture (``_layer_grads``; small with LoRA, a full fine-tune's are the layer's size)."""
+        if index in self._grads:
+            return 0
         return sum(p.numel() * p.element_size() for p in trainable_parameters(layer))
+
+    def _layer_grads(self, index: int, layer: torch.nn.Module) -> LayerGrads:
+        """Layer ``index``'s parameter-gradient buffers, shared by all its graphs (every bucket, kept or
+        checkpointed): made at its first capture, outside the pools."""
+        if index not in self._grads:
+            self._grads[index] = LayerGrads(torch.zeros_like(p) for p in trainable_parameters(layer))
+        return self._grads[index]
 
     def _activations(self, bucket: int) -> int:
         """One kept layer's graphs at ``bucket`` tokens: what their pool holds only between a forward and its
