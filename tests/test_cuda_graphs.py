@@ -506,6 +506,38 @@ def test_a_layers_first_capture_counts_its_gradient_buffers(monkeypatch):
     assert all(graphs._graphs[(0, v)].grads_into is graphs._grads[0] for (i, v) in graphs._graphs if i == 0)
 
 
+class _FailingAt(TapeBackend):
+    """Tapes whose ``n``-th graph fails to capture (an op a graph cannot hold)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def capturing(self, graph, pool):
+        self.n -= 1
+        if self.n == 0:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return super().capturing(graph, pool)
+
+
+def test_a_failed_capture_leaves_its_layers_eager_with_the_eager_numbers_and_no_buffers():
+    batches = [_batch(lengths, seed) for seed, lengths in enumerate(BATCHES)]
+    expected = _plain(batches)
+    graphs = CudaGraphs(mode=True, backend=_FailingAt(3), packed=PackedAttention(kernel="sdpa"))
+    model = _model()
+    _attached(model, graphs)
+    got = [_step(model, b) for b in batches]
+    # the 384 bucket's capture fails at layer 2: layers 0-2 stay eager there, layer 3 captures at its call
+    assert graphs.eager == {"capture failed": 3 * 3} and graphs.captured == 1 + 4
+    for (loss, grads), (want_loss, want_grads) in zip(got, expected):
+        assert loss == pytest.approx(want_loss, rel=1e-5, abs=0)
+        _close([grads], [want_grads])
+    graphs = CudaGraphs(mode=True, backend=_FailingAt(3), packed=PackedAttention(kernel="sdpa"))
+    model = _model()
+    _attached(model, graphs)
+    _step(model, batches[0])
+    assert graphs.captured == 1 and sorted(graphs._grads) == [3]  # no graphs write layers 0-2's: none are kept
+
+
 def test_every_buckets_graphs_of_a_full_fine_tune_share_one_set_of_gradients():
     """A full fine-tune's gradients are the layer's size: its graphs of every bucket write them into one set of
     buffers, and the numbers stay the eager layers'."""

@@ -620,6 +620,8 @@ class CudaGraphs:
             why = UNREACHED if isinstance(err, UnreachedParameters) else CAPTURE_FAILED
             for i in attempted:
                 self._graphs[(i, variant)] = why
+                if not any(j == i and not isinstance(e, Eager) for (j, _), e in self._graphs.items()):
+                    self._grads.pop(i, None)  # no graphs of it write these buffers
             self._say(f"fail{bucket}", f"layers run eagerly at {bucket} tokens: their capture failed "
                       f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
             return
