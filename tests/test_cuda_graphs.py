@@ -290,7 +290,8 @@ def _wide_mlp_model(layer: int) -> torch.nn.Module:
 def test_a_capture_warms_up_each_layer_shape_once(checkpointed):
     """A warm-up (an eager forward and backward, so kernels and workspaces exist before the capture) is a whole
     layer step: one capture call warms up one layer of each shape (class, attention type, parameters, whether its
-    input needs grad) and captures the others of that shape on what it made. The numbers stay the eager layers'."""
+    input needs grad) and captures the others of that shape on what it made, once they have run eagerly before (a
+    layer's first call sets up what it sets up outside a graph). The numbers stay the eager layers'."""
     batches = [_batch(lengths, seed) for seed, lengths in enumerate(BATCHES)]
     plain_model = _wide_mlp_model(layer=2)
     for s in (PackedAttention(kernel="sdpa"), FusedLoRA()):
@@ -304,10 +305,10 @@ def test_a_capture_warms_up_each_layer_shape_once(checkpointed):
     _attached(model, graphs)
     got = [_step(model, b) for b in batches]
     assert graphs.counters()["captures"] == 2 and graphs.eager == {}  # buckets 384 and 256
-    if checkpointed:  # inputs need grad (checkpointing); a shape's warm-up runs the forward with grad and without
+    if checkpointed:  # step 1 ran every layer (measured); inputs need grad; a warm-up runs with grad and without
         assert graphs.checkpointed_replays == 4 * 3 and backend.warm_ups == 2 * 2 * 2
-    else:  # layer 0 (its input needs no grad), layers 1 and 3, layer 2 (its MLP twice as wide)
-        assert graphs.replays == 4 * 4 and backend.warm_ups == 2 * 3
+    else:  # the first capture is every layer's first call; then layer 0 (its input needs no grad), layers 1 and 3,
+        assert graphs.replays == 4 * 4 and backend.warm_ups == 4 + 3  # layer 2 (its MLP twice as wide)
     for (loss, grads), (want_loss, want_grads) in zip(got, expected):
         assert loss == pytest.approx(want_loss, rel=1e-5, abs=0)
         _close([grads], [want_grads])

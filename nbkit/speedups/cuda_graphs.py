@@ -34,8 +34,9 @@ How:
   next call, in a pool of its own: it replays between its bucket's other layers. Each layer's graph gets its own
   ``PackedRun`` over the bucket's static buffers, made inside its capture, so a mask an attention kernel builds on
   first use is built by that graph at every replay. One layer of each shape is warmed up per capture call (an
-  eager step of it, so kernels and workspaces exist); the others capture on what it made. ``capture_s`` counts
-  the seconds spent capturing.
+  eager step of it, so kernels and workspaces exist); the others capture on what it made, once they have run
+  eagerly before (step 1's measurement, or a warm-up of an earlier capture). ``capture_s`` counts the seconds
+  spent capturing.
 
 Eager instead, per call the runner hands it, said once per reason and counted in ``eager`` (each reason an
 ``Eager``: its text, and whether it holds for this call, until the plan graphs the layer, or for the variant): more
@@ -277,6 +278,7 @@ class CudaGraphs:
         self._layer_bytes: Optional[int] = None  # what one layer's graphs keep, measured at _layer_bucket tokens
         self._layer_bucket = 1
         self._graphed: set[int] = set()  # layers with graphs in some variant: their pools hold their activations
+        self._warmed_layers: set[int] = set()  # layers a capture warmed up (run eagerly) at least once
 
     @property
     def engaged(self) -> bool:
@@ -585,9 +587,12 @@ class CudaGraphs:
                     pools[keep] = (self._kept_pool if pooled else self._own_pools[-1]) if keep else self._recompute_pool
                 static_kwargs = shared.static_kwargs(kwargs, rope_key(layer))
                 label = f"decoder layer {i}"
+                # a layer never run before warms up too: whatever it sets up at its first call is not captured
                 shape = (keep, x_grad, _layer_shape(layer))
-                warm = shape not in warmed
-                warmed.add(shape)
+                warm = shape not in warmed or not (record.measured or i in self._warmed_layers)
+                if warm:
+                    warmed.add(shape)
+                    self._warmed_layers.add(i)
                 if keep:
                     need = self._need(bucket, taken=len(kept) if pooled else None)
                     self._give_back_cache(x.device, None if need is None else need + self._new_grads(i, layer),
