@@ -12,6 +12,9 @@ row; which layers replay is the runner's plan (``plans[i].graphed``), the memory
 
 from __future__ import annotations
 
+import copy
+from typing import Optional
+
 import pytest
 import torch
 from grad_steps import StepGrads
@@ -45,8 +48,16 @@ def test_buckets_hold_every_length_up_to_the_largest_and_grow_by_at_most_half():
     assert doc_capacity(128) == 16 and doc_capacity(256) == 32 and doc_capacity(8192) == 256
 
 
-def _model(seed: int = 0) -> torch.nn.Module:
+def _model(seed: int = 0, wide_mlp: Optional[int] = None) -> torch.nn.Module:
+    """The tiny qwen3 with LoRA on every projection; ``wide_mlp``: that decoder layer's MLP twice as wide (a layer of
+    another shape)."""
     model = tiny_model("qwen3", VOCAB, seed=seed)
+    if wide_mlp is not None:
+        config = copy.copy(model.config)
+        config.intermediate_size *= 2
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 1)
+            model.model.layers[wide_mlp].mlp = type(model.model.layers[wide_mlp].mlp)(config)
     torch.manual_seed(seed)  # PEFT initializes LoRA A from the global generator
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
     with torch.no_grad():  # LoRA B starts at zero: give it values so every LoRA gradient is non-trivial
@@ -266,26 +277,6 @@ class _Warmups(TapeBackend):
         fn()
 
 
-def _wide_mlp_model(layer: int) -> torch.nn.Module:
-    """``_model`` with one decoder layer's MLP twice as wide: a layer of another shape."""
-    import copy
-
-    base = tiny_model("qwen3", VOCAB, seed=0)
-    config = copy.copy(base.config)
-    config.intermediate_size *= 2
-    mlp = base.model.layers[layer].mlp
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        base.model.layers[layer].mlp = type(mlp)(config)
-    torch.manual_seed(0)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
-    return model.train()
-
-
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_a_capture_warms_up_each_layer_shape_once(checkpointed):
     """A warm-up (an eager forward and backward, so kernels and workspaces exist before the capture) is a whole
@@ -293,13 +284,13 @@ def test_a_capture_warms_up_each_layer_shape_once(checkpointed):
     input needs grad) and captures the others of that shape on what it made, once they have run eagerly before (a
     layer's first call sets up what it sets up outside a graph). The numbers stay the eager layers'."""
     batches = [_batch(lengths, seed) for seed, lengths in enumerate(BATCHES)]
-    plain_model = _wide_mlp_model(layer=2)
+    plain_model = _model(wide_mlp=2)
     for s in (PackedAttention(kernel="sdpa"), FusedLoRA()):
         s.attach(plain_model)
     expected = [_step(plain_model, b) for b in batches]
     backend = _Warmups()
     graphs = CudaGraphs(mode=True, backend=backend, packed=PackedAttention(kernel="sdpa"), checkpointed=checkpointed)
-    model = _wide_mlp_model(layer=2)
+    model = _model(wide_mlp=2)
     if checkpointed:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     _attached(model, graphs)
@@ -505,6 +496,50 @@ def test_a_layers_first_capture_counts_its_gradient_buffers(monkeypatch):
     _step(model, _batch([120, 80], seed=2))  # another bucket: the layers' buffers are there already
     assert graphs.captured == 8 and asked == [(4, 0)] + [(1, 0)] * 4
     assert all(graphs._graphs[(0, v)].grads_into is graphs._grads[0] for (i, v) in graphs._graphs if i == 0)
+
+
+def test_recompute_graphs_are_sized_by_the_plan_and_count_from_what_tensors_hold(monkeypatch):
+    """A checkpointed layer's recompute graphs hold one layer's activations in one pool for the run: sized by the
+    plan's measured cost of keeping a layer (at its longest micro-batch) scaled to the tokens the pool grows by, and
+    counted from what tensors hold, not what the allocator reserved: the pool stands in for the eager recompute's
+    allocations, and the cached blocks are given back first where they are in the way."""
+    from nbkit.speedups.layer_plan import UNSIZED, LayerCost
+
+    gib = 2**30
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: 30 * gib)  # the cache holds 10 GiB
+    runner = LayerRunner()
+    runner.budget = Budget(cuda, readings=lambda device: (32 * gib, 25 * gib, 20 * gib))
+    graphs = CudaGraphs(mode=True)
+    graphs._runner = runner
+    assert graphs._memory_problem(cuda, 4096, stands_in=True) is None  # nothing measured yet: nothing to size by
+    runner.costs, runner.max_tokens = [LayerCost(4 * gib, 2 * gib, 0), LayerCost(UNSIZED, UNSIZED, 0)], 4096
+    assert graphs._recompute_need(1024) == 1 * gib  # the largest measured layer, at a quarter of its tokens
+    assert graphs._memory_problem(cuda, 1024, stands_in=True) is None  # 32 - 20 - 1 >= max(3.2, 5)
+    assert graphs._memory_problem(cuda, 1024) is None  # kept graphs: sized by what graphs measured (none yet)
+    assert runner.budget.cache_in_the_way(graphs._recompute_need(1024))  # 32 - 30 - 1 < 5: the cache goes first
+    assert "no memory" in graphs._memory_problem(cuda, 8192, stands_in=True)  # 32 - 20 - 8 < 5
+
+
+def test_a_kept_capture_that_counts_on_the_cache_gives_it_back_first(monkeypatch):
+    """With the pools' reserved bytes known, the budget lets kept graphs count on the allocator's cached blocks (they
+    serve the step's peak); a capture cannot take from them (the allocator gives none back while it is under way),
+    so where only they are in the way they are given back before the capture."""
+    gib = 2**30
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: 29 * gib)  # 20 tensors, 2 pools, 7 cached
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    runner = LayerRunner()
+    runner.budget = Budget(cuda, readings=lambda device: (32 * gib, 25 * gib, 20 * gib))
+    graphs = CudaGraphs(mode=True)
+    graphs._runner = runner
+    graphs._give_back_cache(cuda, 1 * gib, pools=2 * gib)  # 32 - 22 - 1 >= 5 with the cache given back, not beside it
+    assert emptied == [1]
+    graphs._give_back_cache(cuda, 6 * gib, pools=2 * gib)  # fits neither way: the capture is refused, not helped
+    graphs._give_back_cache(cuda, None, pools=2 * gib)  # nothing measured yet
+    graphs._give_back_cache(torch.device("cpu"), 1 * gib, pools=2 * gib)
+    assert emptied == [1]
 
 
 class _FailingAt(TapeBackend):

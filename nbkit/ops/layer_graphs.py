@@ -203,6 +203,23 @@ class LayerGrads(list):
     def _done(self) -> None:
         self.awaiting -= 1
 
+    @staticmethod
+    def count(ctx: Any, buffers: Any) -> None:
+        """In a replay's forward: count it on ``buffers`` (a ``LayerGrads``; anything else is not counted) until its
+        backward, when a backward will follow."""
+        ctx.grads = buffers if isinstance(buffers, LayerGrads) and any(ctx.needs_input_grad) else None
+        if ctx.grads is not None:
+            ctx.done = ctx.grads.due(ctx)
+
+    @staticmethod
+    def hand_out(ctx: Any, grads: list) -> list:
+        """In that replay's backward: the parameter gradients to give autograd, copies while another forward's
+        backward is still to replay into the same buffers."""
+        if ctx.grads is None:
+            return grads
+        ctx.done()
+        return [g.clone() if g is not None else None for g in grads] if ctx.grads.awaiting > 0 else grads
+
 
 class GraphedLayer:
     """One module's forward and backward graphs: static input, static output, static gradients."""
@@ -375,9 +392,7 @@ class _Replay(torch.autograd.Function):
         ctx.turn = turn if any(ctx.needs_input_grad) else None  # a replay no backward follows holds no turn
         if ctx.turn is not None:
             ctx.turn.open += 1
-        ctx.grads = layer.grads_into if isinstance(layer.grads_into, LayerGrads) and any(ctx.needs_input_grad) else None
-        if ctx.grads is not None:
-            ctx.done = ctx.grads.due(ctx)
+        LayerGrads.count(ctx, layer.grads_into)
         return out
 
     @staticmethod
@@ -393,11 +408,7 @@ class _Replay(torch.autograd.Function):
         grad_x, grads = ctx.layer.replay_backward(grad.contiguous(), ctx.generation)
         if turn is not None:
             turn.open = max(0, turn.open - 1)
-        if ctx.grads is not None:
-            ctx.done()
-            if ctx.grads.awaiting > 0:  # another forward's backward replays into the same buffers
-                grads = [g.clone() if g is not None else None for g in grads]
-        return (None, None, None, grad_x if ctx.x_grad else None, *grads)
+        return (None, None, None, grad_x if ctx.x_grad else None, *LayerGrads.hand_out(ctx, grads))
 
 
 def replay(layer: GraphedLayer, x: torch.Tensor, turn: Optional[Turn] = None,

@@ -106,9 +106,7 @@ class _RecomputeReplay(torch.autograd.Function):
     def forward(ctx, layer: RecomputedLayer, restore: Optional[Callable[[], None]], x: torch.Tensor,
                 *params: torch.Tensor) -> torch.Tensor:
         ctx.layer, ctx.x_grad, ctx.restore = layer, x.requires_grad, restore
-        ctx.grads = layer.grads_into if isinstance(layer.grads_into, LayerGrads) and any(ctx.needs_input_grad) else None
-        if ctx.grads is not None:
-            ctx.done = ctx.grads.due(ctx)
+        LayerGrads.count(ctx, layer.grads_into)
         ctx.save_for_backward(x)
         return layer.replay_forward(x)
 
@@ -118,11 +116,7 @@ class _RecomputeReplay(torch.autograd.Function):
         if ctx.restore is not None:
             ctx.restore()
         grad_x, grads = ctx.layer.replay_backward(x, grad.contiguous())
-        if ctx.grads is not None:
-            ctx.done()
-            if ctx.grads.awaiting > 0:  # another forward's backward replays into the same buffers
-                grads = [g.clone() if g is not None else None for g in grads]
-        return (None, None, grad_x if ctx.x_grad else None, *grads)
+        return (None, None, grad_x if ctx.x_grad else None, *LayerGrads.hand_out(ctx, grads))
 
 
 def replay_checkpointed(layer: RecomputedLayer, x: torch.Tensor,

@@ -481,11 +481,10 @@ class CudaGraphs:
         bucket's pools beside the others' are what runs a GPU near its limit out of memory."""
         if self._layer_bytes is None or any(v == variant for _, v in self._graphs):
             return variant
-        eligible = sum(1 for layer in self._layers if self._runner.plans[layer.index].graphed
-                       and self._runner.plans[layer.index].activations == KEPT)
-        grads = sum(self._new_grads(layer.index, layer.module) for layer in self._layers
-                    if self._runner.plans[layer.index].graphed and self._runner.plans[layer.index].activations == KEPT)
-        if self._memory_problem(x.device, variant.bucket, max(eligible, 1), taken=0, grads=grads) is None:
+        eligible = [layer for layer in self._layers if self._runner.plans[layer.index].graphed
+                    and self._runner.plans[layer.index].activations == KEPT]
+        grads = sum(self._new_grads(layer.index, layer.module) for layer in eligible)
+        if self._memory_problem(x.device, variant.bucket, max(len(eligible), 1), taken=0, grads=grads) is None:
             return variant
         larger = sorted({v for (i, v), e in self._graphs.items() if isinstance(e, GraphedLayer)
                          and v.bucket > variant.bucket and doc_capacity(v.bucket) >= docs
@@ -732,8 +731,7 @@ class CudaGraphs:
         top = bucket_for(runner.max_tokens, self.max_tokens) or max(
             (b for b in BUCKETS if b <= self.max_tokens), default=0)
         activations = max(c.kept for c in sized) * max(0, top - self._recompute_tokens) // runner.max_tokens
-        grads = sum(p.numel() * p.element_size() for layer in layers if layer.index not in self._grads
-                    for p in trainable_parameters(layer.module))
+        grads = sum(self._new_grads(layer.index, layer.module) for layer in layers)
         made = {key[0] for key in self._buffers}
         per_token = max(c.input for c in sized) / runner.max_tokens
         buffers = int(3 * per_token * sum(b for b in BUCKETS if b <= top and b not in made))
