@@ -2,7 +2,8 @@
 the notebooks and the per-rank gather all read memory through here, so every figure a user sees means the same.
 
 - ``device_memory(device)``: one CUDA device's allocated / reserved / peak / total bytes (None off CUDA). Peak is
-  ``torch.cuda.max_memory_allocated``: since process start or the user's last reset (never reset here).
+  ``torch.cuda.max_memory_allocated``: since process start, the user's last reset, or the first training step of a
+  FastSFT run whose memory budget reads it (``restart_peak``: the only reset here).
 - ``meminfo()``: ``/proc/meminfo`` in bytes; ``host_memory()``: (used, total) host RAM; ``process_rss()`` and
   ``peak_rss()``: this process's resident set now and at its peak.
 - ``fmt_bytes(n)``: "812 MiB" / "3.46 GiB" ("--" for None); ``fmt_bytes(n, 1)``: "3.5 GiB".
@@ -13,7 +14,8 @@ driver query):
 - ``gpu_limit(device)``: the one definition of how much this process may use on a GPU: its per-process fraction of
   the device (``torch.cuda.set_per_process_memory_fraction``), and no more than what its allocator holds plus what
   the device has free (another process, the CUDA context and non-torch allocations are not ours).
-- ``memory_readings(device)``: (limit, peak allocated, allocated now), the three numbers a speedup decides by.
+- ``memory_readings(device)``: (limit, peak allocated, allocated now), the three numbers a speedup decides by;
+  ``restart_peak(device)`` starts the peak over, so that it is the run's own and not one an earlier cell left.
 - ``gpu_in_use(device)``: bytes held by tensors now; ``gpu_reserved(device)``: bytes the allocator holds, graph
   pools included; ``room_for(device, n)``: whether ``n`` more bytes can be had
   from the allocator's cache, or twice that below the limit; ``shares_host_memory(device)``: an integrated GPU.
@@ -229,6 +231,17 @@ def memory_readings(device: Any) -> Optional[MemoryReadings]:
         return None
     device = _indexed(device)
     return MemoryReadings(limit, int(torch.cuda.max_memory_allocated(device)), int(torch.cuda.memory_allocated(device)))
+
+
+def restart_peak(device: Any) -> None:
+    """Start the peak memory statistics of a CUDA ``device`` over (``torch.cuda.reset_peak_memory_stats``); nothing
+    off CUDA. Why: the peak is the process's, and in a notebook an earlier cell (a larger run, a step that ran out of
+    memory) leaves one that a new run's budget would read as its own and spend nothing."""
+    import torch
+
+    device = _indexed(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def room_for(device: Any, nbytes: int) -> bool:

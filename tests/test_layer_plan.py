@@ -175,6 +175,32 @@ def test_the_first_look_spends_a_share_of_what_step_1_left():
     assert fake([(LIMIT, LIMIT, 0)]).first_look().spend == 0  # never negative
 
 
+def test_the_run_s_peak_starts_at_its_first_step(monkeypatch):
+    """A peak an earlier notebook cell left (here at the limit) is not the run's: ``start`` starts the device's peak
+    over, once, and the first look spends from the run's own."""
+    state = {"peak": LIMIT}
+    restarted = []
+
+    def restart(device):
+        restarted.append(device)
+        state["peak"] = 100
+
+    monkeypatch.setattr(layer_budget, "restart_peak", restart)
+    budget = Budget(CPU, lambda device: (LIMIT, state["peak"], 100))
+    assert budget.first_look().spend == 0  # what the stale peak would leave
+    budget.start()
+    budget.start()
+    assert restarted == [CPU]
+    assert budget.first_look().spend == int(SHARE * (LIMIT * (1 - MARGIN) - 100))
+
+
+def test_restarting_the_peak_off_cuda_does_nothing():
+    from nbkit.memory import restart_peak
+
+    restart_peak(CPU)
+    restart_peak("cpu")
+
+
 def test_the_second_look_scales_the_peak_above_what_is_held_and_counts_reserved(monkeypatch):
     held, peak = LIMIT // 4, LIMIT // 2
     budget = fake([(LIMIT, peak, held)])

@@ -8,7 +8,9 @@ The readings are the allocator's host-side counters and one driver query of the 
 (``nbkit.memory.memory_readings``: the per-process fraction applied): no host sync. Off CUDA there are none and
 every method says so (None), except where a test hands in its own ``readings``.
 
-- ``start()``: at the first training micro-batch, what tensors hold (the model, before any optimizer state).
+- ``start()``: at the first training micro-batch, what tensors hold (the model, before any optimizer state); the
+  device's peak statistics start over there (``memory.restart_peak``), so every look reads this run's peak, not
+  one an earlier cell of the notebook left.
 - ``first_look()``: after step 1, what the plan may spend: ``SHARE`` of the limit less ``MARGIN`` of it, less the peak
   so far and what persistent memory grew since ``start`` (optimizer state). ``SHARE`` keeps a quarter back for what
   step 1 could not show (a longer row, the optimizer's first step).
@@ -34,7 +36,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..memory import MemoryReadings, fmt_bytes, gpu_in_use, gpu_limit, gpu_reserved, memory_readings
+from ..memory import MemoryReadings, fmt_bytes, gpu_in_use, gpu_limit, gpu_reserved, memory_readings, restart_peak
 
 MARGIN = 0.10  # of the limit, never planned for: allocator fragmentation, kernels' workspaces
 SHARE = 0.75  # of what is left at a look: what the plan may spend
@@ -68,8 +70,9 @@ class Budget:
         return self._readings(self.device)
 
     def start(self) -> None:
-        """Note what tensors hold as training starts (once: a later call changes nothing)."""
+        """Note what tensors hold as training starts and start the peak over (once: a later call changes nothing)."""
         if self._allocated_at_start is None:
+            restart_peak(self.device)
             readings = self.read()
             self._allocated_at_start = readings[2] if readings is not None else 0
 

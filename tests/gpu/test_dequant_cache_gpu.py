@@ -76,3 +76,18 @@ def test_kept_weights_train_bit_for_bit_as_dequantizing_each_call(tmp_path, monk
         assert a.keys() == b.keys()
         for name in a:
             assert torch.equal(a[name], b[name]), name
+
+
+def test_a_peak_an_earlier_cell_left_does_not_starve_the_plan(tmp_path, monkeypatch):
+    """A cell before ``train()`` that peaked near the GPU's limit (most of its free memory in one tensor, freed again:
+    a larger run, a step that ran out of memory) leaves the plan as without it: the budget reads this run's peak."""
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    big = torch.empty(int(free * 0.9), dtype=torch.uint8, device="cuda")
+    del big
+    torch.cuda.empty_cache()
+    assert torch.cuda.max_memory_allocated() > 0.8 * free  # the stale peak the run starts beside
+    kept = _train(tmp_path, "after_a_peak", "auto", monkeypatch)
+    assert "dequant_cache" in kept[3], kept[3]
+    assert set(kept[2]) == {1}
+    assert torch.cuda.max_memory_allocated() < 0.5 * free  # the peak is the run's
