@@ -490,10 +490,11 @@ def test_a_layers_first_capture_counts_its_gradient_buffers(monkeypatch):
     _step(model, _batch([120, 80, 100], seed=1))
     layer = graphs._layers[0].module
     lora = sum(p.numel() * p.element_size() for n, p in layer.named_parameters() if "lora_" in n)
-    # whether the bucket fits at all (every kept layer's, before falling back to a larger bucket), then each layer
-    assert graphs.captured == 4 and lora > 0 and asked == [(4, 4 * lora)] + [(1, lora)] * 4
+    # the run's first capture (nothing to fall back to): each layer, its buffers beside its activations
+    assert graphs.captured == 4 and lora > 0 and asked == [(1, lora)] * 4, (graphs._runner.max_tokens, asked)
     asked.clear()
     _step(model, _batch([120, 80], seed=2))  # another bucket: the layers' buffers are there already
+    # whether the bucket fits at all (every kept layer's, before falling back to a larger bucket), then each layer
     assert graphs.captured == 8 and asked == [(4, 0)] + [(1, 0)] * 4
     assert all(graphs._graphs[(0, v)].grads_into is graphs._grads[0] for (i, v) in graphs._graphs if i == 0)
 
@@ -641,6 +642,30 @@ def test_a_row_whose_bucket_does_not_fit_replays_a_larger_captured_one(monkeypat
     layers = 4
     assert graphs.captured == layers and graphs.reused == 1  # no capture at 256: the 384 graphs replayed
     assert graphs.replays == 2 * layers and graphs.eager == {} and graphs.recomputed == 0
+    for (loss, grads), (ref_loss, ref_grads) in zip(got, expected):
+        assert loss == pytest.approx(ref_loss, rel=1e-5, abs=0)
+        _close([grads], [ref_grads])
+
+
+def test_the_runs_first_capture_is_of_its_largest_bucket(caplog):
+    """The kept pool is sized once: the run's first capture is of the bucket of the plan's ``max_tokens`` (the longest
+    micro-batch, which the plan sizes kept activations by), the row that asked for it replayed padded; a shorter row's
+    own bucket is captured at its next call (into the blocks the largest one frees), a longer row replays the first
+    graphs. The eager layers' numbers throughout."""
+    batches = [_batch([120, 80], seed=1), _batch([150, 50], seed=2), _batch([500, 400], seed=3)]
+    expected = _plain(batches)
+    _, graphs = _packed_graphs()
+    model = _model()
+    _attached(model, graphs)
+    graphs._runner.max_tokens = 1000  # as the plan's first look sets it (the longest micro-batch)
+    with caplog.at_level("DEBUG", logger="nbkit.speedups.cuda_graphs"):
+        got = [_step(model, batch) for batch in batches]
+    layers = 4
+    captured = [line for line in caplog.text.splitlines() if "layers captured at" in line]
+    assert len(captured) == 2 and "captured at 1024 tokens" in captured[0] and "captured at 256 tokens" in captured[1]
+    assert "the first capture is of the 1024-token bucket" in caplog.text
+    assert graphs.captured == 2 * layers and graphs.replays == 3 * layers and graphs.eager == {}
+    assert graphs.reused == 0  # not for want of memory
     for (loss, grads), (ref_loss, ref_grads) in zip(got, expected):
         assert loss == pytest.approx(ref_loss, rel=1e-5, abs=0)
         _close([grads], [ref_grads])

@@ -29,7 +29,10 @@ How:
   between them, so a later bucket's capture takes the memory an earlier one's activations use only between replays,
   and the pool holds about one bucket's activations, not each bucket's (``layer_graphs.Turns``: while a bucket's
   forward awaits its backward, a forward of another bucket, as in a loop that sums two losses, runs eagerly). A
-  bucket larger than any the pool held is sized whole: its tensors do not fit the smaller freed blocks. A layer the
+  bucket larger than any the pool held is sized whole: its tensors do not fit the smaller freed blocks. So the run's
+  first capture is of the largest bucket its micro-batches reach (the plan's ``max_tokens``, which it sized the kept
+  activations by), its forward replayed padded: the pool is sized once, and each smaller bucket, captured at its own
+  first call, fits in the blocks the largest one's activations free between replays. A layer the
   plan graphs later (kept by the plan's first or second look, after step 1 ran it checkpointed) is captured at its
   next call, in a pool of its own: it replays between its bucket's other layers. Each layer's graph gets its own
   ``PackedRun`` over the bucket's static buffers, made inside its capture, so a mask an attention kernel builds on
@@ -76,7 +79,7 @@ import enum
 import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import torch
@@ -476,9 +479,17 @@ class CudaGraphs:
         return self._fitting(Variant(bucket, autocast, constants, tokenwise), x, run.cu_q.numel() - 1)
 
     def _fitting(self, variant: Variant, x: torch.Tensor, docs: int) -> Variant:
-        """``variant``, or, when it has no graphs yet and the memory its capture takes is not there, the smallest
-        variant already captured for a larger bucket that holds the row (padded as every shorter row is): a new
-        bucket's pools beside the others' are what runs a GPU near its limit out of memory."""
+        """``variant``; before the run's first capture, the same at the largest bucket its micro-batches reach (the
+        pools sized once: see the module docstring); or, when it has no graphs yet and the memory its capture takes
+        is not there, the smallest variant already captured for a larger bucket that holds the row (padded as every
+        shorter row is): a new bucket's pools beside the others' are what runs a GPU near its limit out of memory."""
+        if self._captures == 0:
+            top = self._top_bucket()
+            if top <= variant.bucket or doc_capacity(top) < docs:
+                return variant
+            self._say("top", f"the first capture is of the {top}-token bucket, the longest micro-batch's, its rows "
+                      "padded: the graphs' pools are sized once, and smaller buckets fit in them", logging.INFO)
+            return replace(variant, bucket=top)
         if self._layer_bytes is None or any(v == variant for _, v in self._graphs):
             return variant
         eligible = [layer for layer in self._layers if self._runner.plans[layer.index].graphed
@@ -728,14 +739,21 @@ class CudaGraphs:
         layers = [layer for layer in runner.layers if layer.checkpointed and layer.graphable]
         if not self.checkpointed or self._runner is not runner or not sized or not layers or not runner.max_tokens:
             return 0
-        top = bucket_for(runner.max_tokens, self.max_tokens) or max(
-            (b for b in BUCKETS if b <= self.max_tokens), default=0)
+        top = self._top_bucket()
         activations = max(c.kept for c in sized) * max(0, top - self._recompute_tokens) // runner.max_tokens
         grads = sum(self._new_grads(layer.index, layer.module) for layer in layers)
         made = {key[0] for key in self._buffers}
         per_token = max(c.input for c in sized) / runner.max_tokens
         buffers = int(3 * per_token * sum(b for b in BUCKETS if b <= top and b not in made))
         return activations + grads + buffers
+
+    def _top_bucket(self) -> int:
+        """The largest bucket the run's micro-batches reach: the one holding the runner's ``max_tokens`` (what the
+        plan sizes activations by), or the largest graphed one below them; 0 before the plan knows them."""
+        tokens = getattr(self._runner, "max_tokens", 0)
+        if not tokens:
+            return 0
+        return bucket_for(tokens, self.max_tokens) or max((b for b in BUCKETS if b <= self.max_tokens), default=0)
 
     def _give_back_cache(self, device: torch.device, need: Optional[int], pools: Optional[int] = None) -> None:
         """Before graphs of ``need`` bytes that fit only without the allocator's cached blocks: give those back.
