@@ -24,7 +24,7 @@ from nbkit import FastSFT, FastSFTConfig
 from nbkit.demo.data import make_dataset
 from nbkit.demo.models import tiny_model
 from nbkit.demo.tokenizer import load_demo_tokenizer
-from nbkit.ops.layer_graphs import TapeBackend
+from nbkit.ops.layer_graphs import TapeBackend, trainable_parameters
 from nbkit.ops.packed_boundaries import metadata_from_lengths
 from nbkit.speedups import LAYER_MODES, SPEEDUPS, layer_budget
 from nbkit.speedups import cuda_graphs as graphs_mod
@@ -520,6 +520,29 @@ def test_recompute_graphs_are_sized_by_the_plan_and_count_from_what_tensors_hold
     assert graphs._memory_problem(cuda, 1024) is None  # kept graphs: sized by what graphs measured (none yet)
     assert runner.budget.cache_in_the_way(graphs._recompute_need(1024))  # 32 - 30 - 1 < 5: the cache goes first
     assert "no memory" in graphs._memory_problem(cuda, 8192, stands_in=True)  # 32 - 20 - 8 < 5
+
+
+def test_the_plan_holds_back_nothing_for_layers_whose_hooks_keep_them_eager():
+    """What the plan leaves free for the checkpointed layers' graphs counts each graphable layer's gradient buffers,
+    but not a layer with hooks inside: it runs eagerly whatever the plan (``HOOKED``), so its graphs never come."""
+    from nbkit.speedups.layer_plan import LayerCost
+    from nbkit.speedups.layer_runner import Layer
+
+    decoder = _model().base_model.model.model.layers
+    runner = LayerRunner()
+    runner.layers = [Layer(i, m, m.forward, f"layer {i}", checkpointed=True, graphable=True)
+                     for i, m in enumerate(decoder)]
+    runner.costs, runner.max_tokens = [LayerCost(1 << 20, 1 << 19, 1 << 10)] * len(decoder), 512
+    graphs = CudaGraphs(mode=True, checkpointed=True)
+    graphs._runner = runner
+    per_layer = sum(p.numel() * p.element_size() for p in trainable_parameters(decoder[0]))
+    full = graphs.recompute_reserve(runner)
+    hook = decoder[1].mlp.register_forward_hook(lambda *a: None)
+    try:
+        assert full - graphs.recompute_reserve(runner) == per_layer > 0
+    finally:
+        hook.remove()
+    assert graphs.recompute_reserve(runner) == full
 
 
 def test_a_kept_capture_that_counts_on_the_cache_gives_it_back_first(monkeypatch):

@@ -734,9 +734,10 @@ class CudaGraphs:
         is not the step's to spend): one layer's activations at the largest bucket the run's micro-batches reach,
         above what the pool holds already; each graphable checkpointed layer's parameter-gradient buffers not made
         yet; the buckets' shared input, output and input-gradient buffers not made yet. Sized by the plan's
-        measurements (``runner.costs`` at ``runner.max_tokens``); 0 before them."""
+        measurements (``runner.costs`` at ``runner.max_tokens``); 0 before them. A layer with hooks inside runs
+        eagerly whatever the plan (``HOOKED``): nothing is held back for it."""
         sized = [c for c in runner.costs if c.kept < UNSIZED]
-        layers = [layer for layer in runner.layers if layer.checkpointed and layer.graphable]
+        layers = [layer for layer in runner.layers if layer.checkpointed and layer.graphable and not _hooked(layer.module)]
         if not self.checkpointed or self._runner is not runner or not sized or not layers or not runner.max_tokens:
             return 0
         top = self._top_bucket()

@@ -193,7 +193,7 @@ def test_the_limit_counts_what_other_processes_hold():
 def test_the_second_look_trains_as_plain_checkpointing_on_a_4bit_base(tmp_path, monkeypatch):
     """The budget's looks replaced so that the plan keeps the last layer whole and the second look (at micro-batch 3,
     after the first optimizer step) the other 3, every other switch at its default (the call-counting hooks keep the
-    layers out of CUDA graphs): the same training as plain checkpointing."""
+    layers out of CUDA graphs, so no memory is held back for them): the same training as plain checkpointing."""
     pytest.importorskip("bitsandbytes")
     from nbkit.speedups.layer_budget import Budget, Look
     from nbkit.speedups.layer_runner import LayerRunner
@@ -201,7 +201,7 @@ def test_the_second_look_trains_as_plain_checkpointing_on_a_4bit_base(tmp_path, 
     build = _four_bit(tmp_path / "base")
     plain = _train(tmp_path, "plain", build, False)
     again = _train(tmp_path, "again", build, False)
-    looks, runners, at_detach = [], [], []
+    looks, runners, at_detach, reserves = [], [], [], []
     real_init, real_detach = LayerRunner.__init__, LayerRunner.detach
 
     def init(self, *args, **kwargs):
@@ -213,17 +213,22 @@ def test_the_second_look_trains_as_plain_checkpointing_on_a_4bit_base(tmp_path, 
             at_detach.append((self.kept, self.added))
         real_detach(self)
 
+    def reserve(runner):  # what the runner holds back for the checkpointed layers' graphs (cuda_graphs_checkpointed):
+        return runner.graphs.recompute_reserve(runner) if runner.graphs is not None else 0  # none here (hooked)
+
     def first(budget):
-        c = runners[-1].costs
+        runner = runners[-1]
+        c = runner.costs
         looks.append("first")
-        return Look(c[-1].kept - c[-1].input, "test")  # the last layer whole; no room for another's attention
+        reserves.append(reserve(runner))
+        # the last layer whole; no room for another's attention
+        return Look(c[-1].kept - c[-1].input + reserves[-1], "test")
 
     def second(budget, scale):
         runner = runners[-1]
         looks.append("second")
-        reserve = runner.graphs.recompute_reserve(runner) if runner.graphs is not None else 0
-        # every layer, beyond what the runner holds back for the checkpointed layers' graphs (cuda_graphs_checkpointed)
-        return Look(sum(x.kept - x.input + x.weights for x in runner.costs) + reserve, "test")
+        reserves.append(reserve(runner))
+        return Look(sum(x.kept - x.input + x.weights for x in runner.costs) + reserves[-1], "test")  # every layer
 
     monkeypatch.setattr(LayerRunner, "__init__", init)
     monkeypatch.setattr(LayerRunner, "detach", detach)
@@ -236,6 +241,7 @@ def test_the_second_look_trains_as_plain_checkpointing_on_a_4bit_base(tmp_path, 
     print(f"losses {plain[0]} vs {fast[0]}; LoRA gradients: plain vs plain {noise:.2e}, two looks vs plain "
           f"{err:.2e}; attached {fast[3].nbkit_attached}; plan {fast[3].nbkit_layer_stats['plan']}")
     assert looks == ["first", "second"] and at_detach[-1] == (layers, layers - 1)
+    assert reserves == [0, 0]  # the hooks inside the layers keep them eager: no graphs' memory held back
     assert fast[0] == pytest.approx(plain[0], rel=1e-2)
     assert err <= max(2 * noise, 1e-2)
     assert fast[2] == [2 + 2 + 1] * (layers - 1) + [2 + 1 + 1]  # recomputed until the second look, at micro-batch 3
