@@ -179,6 +179,34 @@ def test_every_buckets_kept_graphs_share_one_pool():
     assert graphs.captured == 8 and len(graphs._pooled) == 2 and pools == {id(graphs._kept_pool)}
 
 
+def test_kept_graphs_keep_no_output_and_one_input_per_layer_outside_the_pool():
+    """What kept graphs hold for good outside the activations: the layers of a bucket copy their output and input
+    gradient into one pair of buffers (each replay's cloned out before the next), and a layer's static input of
+    every bucket is a view of one buffer of its own, sized by the run's largest bucket. The eager numbers
+    throughout, padded rows and a second bucket included."""
+    batches = [_batch(lengths, seed) for seed, lengths in enumerate(BATCHES)]  # buckets 384, 384, 256, 384
+    expected = _plain(batches)
+    _, graphs = _packed_graphs()
+    model = _model()
+    _attached(model, graphs)
+    graphs._runner.max_tokens = 500  # as the plan's first look sets it: the largest bucket is 512
+    got = [_step(model, batch) for batch in batches]
+    layers = 4
+    kept = [g for g in graphs._graphs.values() if hasattr(g, "fwd")]
+    assert len(kept) == 3 * layers  # buckets 512 (the first capture), 384 and 256
+    for bucket in {g.x.shape[1] for g in kept}:
+        of_bucket = [g for g in kept if g.x.shape[1] == bucket]
+        grad_x = {g.grads[0].data_ptr() for g in of_bucket if g.x.requires_grad}  # layer 0's input needs none
+        assert len({g.out.data_ptr() for g in of_bucket}) == 1 and len(grad_x) == 1
+    for i in range(layers):
+        inputs = [g.x for (j, _), g in graphs._graphs.items() if j == i and g in kept]
+        assert len({x.untyped_storage().data_ptr() for x in inputs}) == 1, i
+        assert {x.untyped_storage().nbytes() for x in inputs} == {512 * inputs[0].shape[-1] * 4}
+    for (loss, grads), (ref_loss, ref_grads) in zip(got, expected):
+        assert loss == pytest.approx(ref_loss, rel=1e-5, abs=0)
+        _close([grads], [ref_grads])
+
+
 def _summed(model, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
     """The forwards of ``batches``, then one backward of their summed losses (a loop that sums two losses): the
     loss and the gradients."""
@@ -318,17 +346,17 @@ def test_the_pools_bytes_are_counted_by_kind():
 
 
 def test_a_capture_into_the_kept_pool_needs_what_the_pools_earlier_captures_did_not_free():
-    """Sizing a capture into the kept pool: each layer's static output and input gradient (kept for good), and its
-    activations only beyond what earlier captures into the pool took (freed between replays); a capture of its own
-    pool, or of a bucket larger than any the pool held (its tensors do not fit the smaller freed blocks), needs all
-    of it."""
+    """Sizing a capture into the kept pool: its layers' activations only beyond what earlier captures into the pool
+    took (freed between replays; outputs and input gradients go to buffers outside it); a capture of its own pool,
+    or of a bucket larger than any the pool held (its tensors do not fit the smaller freed blocks), needs all of
+    it."""
     graphs = CudaGraphs(mode=True)
-    graphs._layer_bytes, graphs._layer_bucket, graphs._alive_per_token = 100 * 4096, 4096, 20
+    graphs._layer_bytes, graphs._layer_bucket = 100 * 4096, 4096
     assert graphs._need(4096, layers=3) == 3 * 100 * 4096  # a pool of their own
     assert graphs._need(4096, layers=3, taken=0) == 3 * 100 * 4096  # an empty kept pool
-    graphs._kept_activations, graphs._kept_tokens = 4 * graphs._activations(4096), 4096  # four layers at 4096
-    assert graphs._activations(4096) == 80 * 4096
-    assert graphs._need(2048, layers=4, taken=0) == 4 * 20 * 2048  # half the tokens: activations fit in what was freed
+    graphs._kept_activations, graphs._kept_tokens = 4 * 100 * 4096, 4096  # four layers at 4096
+    assert graphs._need(2048, layers=4, taken=0) == 0  # half the tokens: it fits in what was freed
+    assert graphs._need(2048, layers=4, taken=6) == 2 * 100 * 2048  # beyond eight layers at 2048: two more
     assert graphs._need(4096, layers=1, taken=4) == 100 * 4096  # a fifth layer: beyond the pool's earlier captures
     assert graphs._need(8192, layers=4, taken=0) == 4 * 100 * 8192  # a larger bucket: all of it
     graphs._layer_bytes = None
@@ -490,8 +518,10 @@ def test_a_layers_first_capture_counts_its_gradient_buffers(monkeypatch):
     _step(model, _batch([120, 80, 100], seed=1))
     layer = graphs._layers[0].module
     lora = sum(p.numel() * p.element_size() for n, p in layer.named_parameters() if "lora_" in n)
+    hidden = layer.self_attn.q_proj.in_features
+    static_x = 384 * hidden * 4  # each layer's static input at the bucket (the plan's max_tokens unknown here), fp32
     # the run's first capture (nothing to fall back to): each layer, its buffers beside its activations
-    assert graphs.captured == 4 and lora > 0 and asked == [(1, lora)] * 4, (graphs._runner.max_tokens, asked)
+    assert graphs.captured == 4 and lora > 0 and asked == [(1, lora + static_x)] * 4, asked
     asked.clear()
     _step(model, _batch([120, 80], seed=2))  # another bucket: the layers' buffers are there already
     # whether the bucket fits at all (every kept layer's, before falling back to a larger bucket), then each layer

@@ -227,7 +227,8 @@ class GraphedLayer:
     def __init__(self, module: torch.nn.Module, forward_fn: Callable[..., Any], like: torch.Tensor, x_grad: bool,
                  static_kwargs: Callable[[], dict], grad_out: torch.Tensor, backend: Any, pool: Any,
                  label: str = "layer", shared: Optional[Shared] = None,
-                 grads_into: Optional[Sequence[torch.Tensor]] = None) -> None:
+                 grads_into: Optional[Sequence[torch.Tensor]] = None, static_x: Optional[torch.Tensor] = None,
+                 outputs: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
         """``like``: a tensor of the static input's shape, dtype and device; ``grad_out``: the static buffer the
         incoming gradient is copied into (it may be shared by layers that replay one after another). ``shared``:
         static input, output and input gradient shared with other layers whose forward and backward replay back to
@@ -236,7 +237,10 @@ class GraphedLayer:
         buffers (one per trainable parameter, in ``trainable``'s order) the parameters' gradients are copied into
         instead, so that not even those stay in the pool (several buckets' graphs of one layer share them; a
         ``LayerGrads``: a backward hands autograd copies of them while another forward of the layer awaits its
-        backward)."""
+        backward). ``static_x``: the static input (default: a new tensor like ``like``), e.g. a view of a buffer the
+        layer's graphs of every bucket share, since one forward of a layer awaits its backward at a time;
+        ``outputs``: (output, input gradient) buffers of ``like``'s shape that layers replayed one at a time share:
+        the graphs copy into them, so the pool keeps no output or input gradient of this layer between replays."""
         self.forward_fn, self.static_kwargs, self.grad_out = forward_fn, static_kwargs, grad_out
         self.backend, self.pool, self.label, self.shared, self.grads_into = backend, pool, label, shared, grads_into
         slots = [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None and p.requires_grad]
@@ -245,7 +249,8 @@ class GraphedLayer:
             stand_ins.setdefault(id(p), torch.nn.Parameter(p.detach(), requires_grad=True))
         self.trainable = trainable_parameters(module)
         self._slots = [(m, n, p, stand_ins[id(p)]) for m, n, p in slots]
-        self.x = shared.x if shared is not None else \
+        self.outputs = outputs
+        self.x = shared.x if shared is not None else static_x if static_x is not None else \
             torch.zeros(like.shape, dtype=like.dtype, device=like.device, requires_grad=x_grad)
         self.inputs = ((self.x,) if x_grad else ()) + tuple(stand_ins[id(p)] for p in self.trainable)
         device = like.device.type
@@ -294,16 +299,20 @@ class GraphedLayer:
         graph = self.backend.new_graph()
         with self.backend.capturing(graph, self.pool):
             out = self._run(kwargs)
+            if self.outputs is not None:
+                self.outputs[0].copy_(out.detach())
         # shared: nothing reads the recompute's output but its backward
-        self.fwd, self.out, self._captured_out = graph, None if self.shared else out.detach(), out
+        static_out = self.outputs[0] if self.outputs is not None else out.detach()
+        self.fwd, self.out, self._captured_out = graph, None if self.shared else static_out, out
 
     def capture_backward(self) -> None:
         graph = self.backend.new_graph()
         with self.backend.capturing(graph, self.pool):
             grads = self._grad(self._captured_out)
-            if self.shared is not None and self.x.requires_grad:
-                self.shared.grad_x.copy_(grads[0])
-                grads = (self.shared.grad_x, *grads[1:])  # this layer's own copy goes back to the pool
+            grad_x = self.shared.grad_x if self.shared is not None else self.outputs[1] if self.outputs else None
+            if grad_x is not None and self.x.requires_grad:
+                grad_x.copy_(grads[0])
+                grads = (grad_x, *grads[1:])  # this layer's own copy goes back to the pool
             unreached = sum(g is None for g in grads[len(self.inputs) - len(self.trainable):])
             if self.grads_into is not None and not unreached:
                 first = len(self.inputs) - len(self.trainable)

@@ -32,9 +32,13 @@ How:
   bucket larger than any the pool held is sized whole: its tensors do not fit the smaller freed blocks. So the run's
   first capture is of the largest bucket its micro-batches reach (the plan's ``max_tokens``, which it sized the kept
   activations by), its forward replayed padded: the pool is sized once, and each smaller bucket, captured at its own
-  first call, fits in the blocks the largest one's activations free between replays. A layer the
-  plan graphs later (kept by the plan's first or second look, after step 1 ran it checkpointed) is captured at its
-  next call, in a pool of its own: it replays between its bucket's other layers. Each layer's graph gets its own
+  first call, fits in the blocks the largest one's activations free between replays. Outside the pools a kept
+  layer keeps one static input, sized by that largest bucket (every bucket's graphs read a view of it: one forward
+  of a layer awaits its backward at a time), and each bucket one output and one input-gradient buffer that all its
+  kept layers' graphs copy into (each replay's cloned out before the next): the pool keeps no layer's output for
+  good, so a smaller bucket costs the pool next to nothing. A layer the plan graphs later (kept by the plan's first
+  or second look, after step 1 ran it checkpointed) is captured at its next call, in a pool of its own: it replays
+  between its bucket's other layers. Each layer's graph gets its own
   ``PackedRun`` over the bucket's static buffers, made inside its capture, so a mask an attention kernel builds on
   first use is built by that graph at every replay. One layer of each shape is warmed up per capture call (an
   eager step of it, so kernels and workspaces exist); the others capture on what it made, once they have run
@@ -271,7 +275,8 @@ class CudaGraphs:
         self._pools_reserved = 0  # what every pool reserves: none before the first capture, read after each (CUDA)
         self._pooled: set[Variant] = set()  # the variants captured into it
         self._turns = Turns()  # whose forward may replay in it (layer_graphs.Turns)
-        self._alive_per_token = 0  # what a kept layer's graphs keep for good a token: static output, input gradient
+        self._inputs: dict[tuple, torch.Tensor] = {}  # a kept layer's static input, every bucket's a view of it
+        self._outputs: dict[tuple, tuple] = {}  # kept layers' shared static output and input gradient, by bucket
         self._grads: dict[int, LayerGrads] = {}  # a graphed layer's parameter gradients, every bucket's and plan's
         self._shared: dict[int, BucketMetadata] = {}  # by bucket
         self._plan_run: Optional[PackedRun] = None
@@ -550,7 +555,6 @@ class CudaGraphs:
         # its forwards and backwards: Turn), else a pool of this call's own (its layers replay between the
         # variant's others); recomputed layers: the run's one pool for them
         pooled = not any(v == variant and isinstance(e, GraphedLayer) for (_, v), e in self._graphs.items())
-        self._alive_per_token = 2 * x.shape[-1] * x.element_size()
         pools: dict[bool, Any] = {}
         kept: list[GraphedLayer] = []
         recomputed: list[RecomputedLayer] = []
@@ -573,7 +577,8 @@ class CudaGraphs:
                     self._say(f"hooks{i}", f"layer {i} runs eagerly: a module inside it has hooks (they would run "
                               "at the capture only)")
                 elif (keep or not recomputed) and (memory := self._memory_problem(
-                        x.device, bucket, taken=len(kept) if pooled else None, grads=self._new_grads(i, layer))
+                        x.device, bucket, taken=len(kept) if pooled else None,
+                        grads=self._new_grads(i, layer) + self._new_input(i, bucket, x, x_grad))
                         if keep else self._memory_problem(
                         x.device, bucket - self._recompute_tokens, stands_in=True)) is not None:
                     # the recomputed layers' one pool holds one layer's activations at its largest bucket: what a
@@ -605,11 +610,13 @@ class CudaGraphs:
                     self._warmed_layers.add(i)
                 if keep:
                     need = self._need(bucket, taken=len(kept) if pooled else None)
-                    self._give_back_cache(x.device, None if need is None else need + self._new_grads(i, layer),
-                                          pools=self._pools_reserved)
+                    made = self._new_grads(i, layer) + self._new_input(i, bucket, x, x_grad)
+                    self._give_back_cache(x.device, None if need is None else need + made, pools=self._pools_reserved)
                     graphs = GraphedLayer(layer, record.original, shared.grad_out, x_grad, static_kwargs,
                                           shared.grad_out, self.backend, pools[keep], label=label,
-                                          grads_into=self._layer_grads(i, layer))
+                                          grads_into=self._layer_grads(i, layer),
+                                          static_x=self._static_input(i, bucket, x, x_grad),
+                                          outputs=self._kept_outputs(bucket, x))
                     before = gpu_in_use(x.device)
                     graphs.capture_forward(warm=warm)
                     if x.is_cuda:  # what the forward's graph keeps, twice: the backward's graph comes on top
@@ -637,6 +644,8 @@ class CudaGraphs:
                 self._graphs[(i, variant)] = why
                 if not any(j == i and not isinstance(e, Eager) for (j, _), e in self._graphs.items()):
                     self._grads.pop(i, None)  # no graphs of it write these buffers
+                    for key in [key for key in self._inputs if key[0] == i]:
+                        del self._inputs[key]
             self._say(f"fail{bucket}", f"layers run eagerly at {bucket} tokens: their capture failed "
                       f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
             return
@@ -644,7 +653,7 @@ class CudaGraphs:
             self._recompute_tokens = max(self._recompute_tokens, bucket)
         if kept and pooled:
             self._pooled.add(variant)
-            self._kept_activations = max(self._kept_activations, len(kept) * self._activations(bucket))
+            self._kept_activations = max(self._kept_activations, len(kept) * (self._layer_cost(bucket) or 0))
             self._kept_tokens = max(self._kept_tokens, bucket)
         for i, graphs in captured:
             self._graphs[(i, variant)] = graphs
@@ -685,19 +694,16 @@ class CudaGraphs:
         return None if need is None else self._runner.budget.graphs_room(need, stands_in=stands_in, pools=pools)
 
     def _need(self, bucket: int, layers: int = 1, taken: Optional[int] = None) -> Optional[int]:
-        """What ``layers`` more layers' kept graphs at ``bucket`` tokens take: all of it in a pool of their own, or
-        in the kept pool at a bucket larger than any captured there (the allocator cannot put a larger tensor in
-        smaller freed blocks); in the kept pool at a bucket it has held (after ``taken`` layers of their capture),
-        their static outputs and input gradients, and their activations only where the capture's exceed what the
-        pool's earlier captures freed."""
-        if self._layer_bytes is None:
-            return None
-        one = self._layer_bytes * bucket // self._layer_bucket
-        if taken is None or bucket > self._kept_tokens:
-            return max(0, layers * one)
-        activations = self._activations(bucket)
-        beyond = lambda n: max(0, n * activations - self._kept_activations)  # noqa: E731
-        return layers * (one - activations) + beyond(taken + layers) - beyond(taken)
+        """What ``layers`` more layers' kept graphs at ``bucket`` tokens take of their pool: all of it in a pool of
+        their own, or in the kept pool at a bucket larger than any captured there (the allocator cannot put a larger
+        tensor in smaller freed blocks); in the kept pool at a bucket it has held (after ``taken`` layers of their
+        capture), only what exceeds what the pool's earlier captures freed (their activations: their outputs and
+        input gradients are copied into buffers outside it, ``_kept_outputs``)."""
+        one = self._layer_cost(bucket)
+        if one is None or taken is None or bucket > self._kept_tokens:
+            return None if one is None else layers * one
+        beyond = lambda n: max(0, n * one - self._kept_activations)  # noqa: E731
+        return beyond(taken + layers) - beyond(taken)
 
     def _new_grads(self, index: int, layer: torch.nn.Module) -> int:
         """What a capture of layer ``index`` makes for good beside what ``_need`` sizes: its parameter-gradient
@@ -713,12 +719,36 @@ class CudaGraphs:
             self._grads[index] = LayerGrads(torch.zeros_like(p) for p in trainable_parameters(layer))
         return self._grads[index]
 
-    def _activations(self, bucket: int) -> int:
-        """One kept layer's graphs at ``bucket`` tokens: what their pool holds only between a forward and its
-        backward (their activations: what ``_need`` sizes less the static output and input gradient)."""
-        if self._layer_bytes is None:
+    def _layer_cost(self, bucket: int) -> Optional[int]:
+        """One kept layer's graphs at ``bucket`` tokens, as measured (the largest per token seen); None before."""
+        return None if self._layer_bytes is None else self._layer_bytes * bucket // self._layer_bucket
+
+    def _static_input(self, index: int, bucket: int, x: torch.Tensor, x_grad: bool) -> torch.Tensor:
+        """Kept layer ``index``'s static input at ``bucket`` tokens: a view of one buffer its graphs of every bucket
+        share (sized by the largest bucket the run reaches: ``_top_bucket``), as one forward of a layer awaits its
+        backward at a time (``Turns``; a second forward of the bucket raises). Made at the first capture needing it."""
+        key = (index, x.dtype, x_grad)
+        buffer = self._inputs.get(key)
+        if buffer is None or buffer.shape[1] < bucket:
+            tokens = max(bucket, self._top_bucket())
+            buffer = self._inputs[key] = torch.zeros((1, tokens, x.shape[-1]), dtype=x.dtype, device=x.device)
+        view = buffer[:, :bucket]
+        return view.requires_grad_(x_grad) if x_grad else view
+
+    def _new_input(self, index: int, bucket: int, x: torch.Tensor, x_grad: bool) -> int:
+        """The bytes ``_static_input`` makes for layer ``index`` at ``bucket`` tokens (0 when its buffer holds it)."""
+        buffer = self._inputs.get((index, x.dtype, x_grad))
+        if buffer is not None and buffer.shape[1] >= bucket:
             return 0
-        return max(0, self._layer_bytes * bucket // self._layer_bucket - self._alive_per_token * bucket)
+        return max(bucket, self._top_bucket()) * x.shape[-1] * x.element_size()
+
+    def _kept_outputs(self, bucket: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The static output and input gradient every kept layer's graphs of ``bucket`` copy into (each replay's is
+        cloned out before the next replay), so that no layer's stay in the pool."""
+        key = (bucket, x.dtype)
+        if key not in self._outputs:
+            self._outputs[key] = (x.new_zeros((1, bucket, x.shape[-1])), x.new_zeros((1, bucket, x.shape[-1])))
+        return self._outputs[key]
 
     def _recompute_need(self, tokens: int) -> Optional[int]:
         """One layer's activations at ``tokens``: the plan's measured cost of keeping a layer (at its longest
