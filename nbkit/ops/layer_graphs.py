@@ -41,14 +41,11 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-
-if TYPE_CHECKING:
-    from .recompute_graphs import Shared
 
 aten = torch.ops.aten
 # ops that read a device value on the host: a CUDA capture fails on them, so the tape does too
@@ -226,23 +223,21 @@ class GraphedLayer:
 
     def __init__(self, module: torch.nn.Module, forward_fn: Callable[..., Any], like: torch.Tensor, x_grad: bool,
                  static_kwargs: Callable[[], dict], grad_out: torch.Tensor, backend: Any, pool: Any,
-                 label: str = "layer", shared: Optional[Shared] = None,
-                 grads_into: Optional[Sequence[torch.Tensor]] = None, static_x: Optional[torch.Tensor] = None,
-                 outputs: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+                 label: str = "layer", grads_into: Optional[Sequence[torch.Tensor]] = None,
+                 static_x: Optional[torch.Tensor] = None,
+                 outputs: Optional[tuple[Optional[torch.Tensor], torch.Tensor]] = None) -> None:
         """``like``: a tensor of the static input's shape, dtype and device; ``grad_out``: the static buffer the
-        incoming gradient is copied into (it may be shared by layers that replay one after another). ``shared``:
-        static input, output and input gradient shared with other layers whose forward and backward replay back to
-        back (``RecomputedLayer``); then the output and the input's gradient are copied into them inside the graphs,
-        and the pool keeps nothing of this layer between replays but its parameters' gradients; ``grads_into``:
+        incoming gradient is copied into (it may be shared by layers that replay one after another). ``grads_into``:
         buffers (one per trainable parameter, in ``trainable``'s order) the parameters' gradients are copied into
         instead, so that not even those stay in the pool (several buckets' graphs of one layer share them; a
         ``LayerGrads``: a backward hands autograd copies of them while another forward of the layer awaits its
-        backward). ``static_x``: the static input (default: a new tensor like ``like``), e.g. a view of a buffer the
-        layer's graphs of every bucket share, since one forward of a layer awaits its backward at a time;
-        ``outputs``: (output, input gradient) buffers of ``like``'s shape that layers replayed one at a time share:
-        the graphs copy into them, so the pool keeps no output or input gradient of this layer between replays."""
+        backward). ``static_x``: the static input (default: a new tensor like ``like``), e.g. one that other layers
+        share (``RecomputedLayer``) or a view of a buffer the layer's graphs of every bucket share; ``outputs``:
+        (output, input gradient) buffers of ``like``'s shape that layers replayed one at a time share: the graphs copy
+        into them, so the pool keeps no output or input gradient of this layer between replays (output None: no
+        one reads it, as a recompute's, and it is not copied)."""
         self.forward_fn, self.static_kwargs, self.grad_out = forward_fn, static_kwargs, grad_out
-        self.backend, self.pool, self.label, self.shared, self.grads_into = backend, pool, label, shared, grads_into
+        self.backend, self.pool, self.label, self.grads_into = backend, pool, label, grads_into
         slots = [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None and p.requires_grad]
         stand_ins: dict[int, torch.nn.Parameter] = {}
         for _, _, p in slots:
@@ -250,7 +245,7 @@ class GraphedLayer:
         self.trainable = trainable_parameters(module)
         self._slots = [(m, n, p, stand_ins[id(p)]) for m, n, p in slots]
         self.outputs = outputs
-        self.x = shared.x if shared is not None else static_x if static_x is not None else \
+        self.x = static_x if static_x is not None else \
             torch.zeros(like.shape, dtype=like.dtype, device=like.device, requires_grad=x_grad)
         self.inputs = ((self.x,) if x_grad else ()) + tuple(stand_ins[id(p)] for p in self.trainable)
         device = like.device.type
@@ -299,17 +294,15 @@ class GraphedLayer:
         graph = self.backend.new_graph()
         with self.backend.capturing(graph, self.pool):
             out = self._run(kwargs)
-            if self.outputs is not None:
+            if self.outputs is not None and self.outputs[0] is not None:
                 self.outputs[0].copy_(out.detach())
-        # shared: nothing reads the recompute's output but its backward
-        static_out = self.outputs[0] if self.outputs is not None else out.detach()
-        self.fwd, self.out, self._captured_out = graph, None if self.shared else static_out, out
+        self.fwd, self.out, self._captured_out = graph, self.outputs[0] if self.outputs else out.detach(), out
 
     def capture_backward(self) -> None:
         graph = self.backend.new_graph()
         with self.backend.capturing(graph, self.pool):
             grads = self._grad(self._captured_out)
-            grad_x = self.shared.grad_x if self.shared is not None else self.outputs[1] if self.outputs else None
+            grad_x = self.outputs[1] if self.outputs is not None else None
             if grad_x is not None and self.x.requires_grad:
                 grad_x.copy_(grads[0])
                 grads = (grad_x, *grads[1:])  # this layer's own copy goes back to the pool

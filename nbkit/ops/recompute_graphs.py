@@ -50,6 +50,11 @@ class Shared:
 
         return cls(zeros().requires_grad_(x_grad), zeros(), zeros())
 
+    @property
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, input gradient): what ``GraphedLayer``'s graphs copy into (``outputs``)."""
+        return self.out, self.grad_x
+
 
 class RecomputedLayer:
     """One checkpointed layer's three graphs: forward without grad, recompute, backward (see module docstring)."""
@@ -61,7 +66,8 @@ class RecomputedLayer:
         its graphs' own, in the pool)."""
         self.shared, self.grads_into = shared, grads_into
         self.graphed = GraphedLayer(module, forward_fn, shared.x, shared.x.requires_grad, static_kwargs, grad_out,
-                                    backend, pool, label, shared=shared, grads_into=grads_into)
+                                    backend, pool, label, grads_into=grads_into, static_x=shared.x,
+                                    outputs=(None, shared.grad_x))  # nothing reads the recompute's output
         self.trainable = self.graphed.trainable
         self.x = shared.x
         self.fwd: Any = None

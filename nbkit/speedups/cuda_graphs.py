@@ -265,7 +265,7 @@ class CudaGraphs:
     def _reset(self) -> None:
         self._layers: list[Any] = []  # the runner's Layer records
         self._graphs: dict[tuple[int, Variant], Entry] = {}  # its graphs, or why it has none
-        self._buffers: dict[tuple, Shared] = {}  # recomputed layers' static buffers, by bucket, dtype, x's grad
+        self._buffers: dict[tuple, Shared] = {}  # a bucket's static buffers, by bucket, dtype, x's grad (_shared_buffers)
         self._recompute_pool: Any = None  # every recomputed layer's graphs, whatever the bucket (recompute_graphs)
         self._recompute_tokens = 0  # the largest bucket captured in it
         self._kept_pool: Any = None  # kept layers' graphs, each variant's first capture (see _capture_from)
@@ -276,7 +276,6 @@ class CudaGraphs:
         self._pooled: set[Variant] = set()  # the variants captured into it
         self._turns = Turns()  # whose forward may replay in it (layer_graphs.Turns)
         self._inputs: dict[tuple, torch.Tensor] = {}  # a kept layer's static input, every bucket's a view of it
-        self._outputs: dict[tuple, tuple] = {}  # kept layers' shared static output and input gradient, by bucket
         self._grads: dict[int, LayerGrads] = {}  # a graphed layer's parameter gradients, every bucket's and plan's
         self._shared: dict[int, BucketMetadata] = {}  # by bucket
         self._plan_run: Optional[PackedRun] = None
@@ -570,6 +569,8 @@ class CudaGraphs:
                     x_grad = True
                     continue
                 why: Optional[Eager] = None
+                # what a kept capture makes for good beside its pool: gradient buffers, static input (first time)
+                made = self._new_grads(i, layer) + self._new_input(i, bucket, x, x_grad) if keep else 0
                 if not self._runner.plans[i].graphed:
                     why = CHECKPOINTED
                 elif _hooked(layer):
@@ -577,8 +578,7 @@ class CudaGraphs:
                     self._say(f"hooks{i}", f"layer {i} runs eagerly: a module inside it has hooks (they would run "
                               "at the capture only)")
                 elif (keep or not recomputed) and (memory := self._memory_problem(
-                        x.device, bucket, taken=len(kept) if pooled else None,
-                        grads=self._new_grads(i, layer) + self._new_input(i, bucket, x, x_grad))
+                        x.device, bucket, taken=len(kept) if pooled else None, grads=made)
                         if keep else self._memory_problem(
                         x.device, bucket - self._recompute_tokens, stands_in=True)) is not None:
                     # the recomputed layers' one pool holds one layer's activations at its largest bucket: what a
@@ -610,13 +610,12 @@ class CudaGraphs:
                     self._warmed_layers.add(i)
                 if keep:
                     need = self._need(bucket, taken=len(kept) if pooled else None)
-                    made = self._new_grads(i, layer) + self._new_input(i, bucket, x, x_grad)
                     self._give_back_cache(x.device, None if need is None else need + made, pools=self._pools_reserved)
                     graphs = GraphedLayer(layer, record.original, shared.grad_out, x_grad, static_kwargs,
                                           shared.grad_out, self.backend, pools[keep], label=label,
                                           grads_into=self._layer_grads(i, layer),
                                           static_x=self._static_input(i, bucket, x, x_grad),
-                                          outputs=self._kept_outputs(bucket, x))
+                                          outputs=self._shared_buffers(bucket, x, True).outputs)
                     before = gpu_in_use(x.device)
                     graphs.capture_forward(warm=warm)
                     if x.is_cuda:  # what the forward's graph keeps, twice: the backward's graph comes on top
@@ -674,6 +673,9 @@ class CudaGraphs:
             self._layer_bytes, self._layer_bucket = kept, bucket
 
     def _shared_buffers(self, bucket: int, x: torch.Tensor, x_grad: bool) -> Shared:
+        """A bucket's static buffers: the recomputed layers' input, output and input gradient; the kept layers copy
+        their output and input gradient into the same two (``Shared.outputs``: every replay's are cloned out before
+        the next replay, kept or recomputed), so that no layer's stay in the pool."""
         key = (bucket, x.dtype, x_grad)
         if key not in self._buffers:
             self._buffers[key] = Shared.make((1, bucket, x.shape[-1]), x.dtype, x.device, x_grad)
@@ -698,7 +700,7 @@ class CudaGraphs:
         their own, or in the kept pool at a bucket larger than any captured there (the allocator cannot put a larger
         tensor in smaller freed blocks); in the kept pool at a bucket it has held (after ``taken`` layers of their
         capture), only what exceeds what the pool's earlier captures freed (their activations: their outputs and
-        input gradients are copied into buffers outside it, ``_kept_outputs``)."""
+        input gradients are copied into buffers outside it, ``_shared_buffers``)."""
         one = self._layer_cost(bucket)
         if one is None or taken is None or bucket > self._kept_tokens:
             return None if one is None else layers * one
@@ -727,28 +729,18 @@ class CudaGraphs:
         """Kept layer ``index``'s static input at ``bucket`` tokens: a view of one buffer its graphs of every bucket
         share (sized by the largest bucket the run reaches: ``_top_bucket``), as one forward of a layer awaits its
         backward at a time (``Turns``; a second forward of the bucket raises). Made at the first capture needing it."""
-        key = (index, x.dtype, x_grad)
-        buffer = self._inputs.get(key)
-        if buffer is None or buffer.shape[1] < bucket:
-            tokens = max(bucket, self._top_bucket())
-            buffer = self._inputs[key] = torch.zeros((1, tokens, x.shape[-1]), dtype=x.dtype, device=x.device)
-        view = buffer[:, :bucket]
+        if tokens := self._input_to_make(index, bucket, x, x_grad):
+            self._inputs[(index, x.dtype, x_grad)] = x.new_zeros((1, tokens, x.shape[-1]))
+        view = self._inputs[(index, x.dtype, x_grad)][:, :bucket]
         return view.requires_grad_(x_grad) if x_grad else view
 
     def _new_input(self, index: int, bucket: int, x: torch.Tensor, x_grad: bool) -> int:
         """The bytes ``_static_input`` makes for layer ``index`` at ``bucket`` tokens (0 when its buffer holds it)."""
-        buffer = self._inputs.get((index, x.dtype, x_grad))
-        if buffer is not None and buffer.shape[1] >= bucket:
-            return 0
-        return max(bucket, self._top_bucket()) * x.shape[-1] * x.element_size()
+        return self._input_to_make(index, bucket, x, x_grad) * x.shape[-1] * x.element_size()
 
-    def _kept_outputs(self, bucket: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The static output and input gradient every kept layer's graphs of ``bucket`` copy into (each replay's is
-        cloned out before the next replay), so that no layer's stay in the pool."""
-        key = (bucket, x.dtype)
-        if key not in self._outputs:
-            self._outputs[key] = (x.new_zeros((1, bucket, x.shape[-1])), x.new_zeros((1, bucket, x.shape[-1])))
-        return self._outputs[key]
+    def _input_to_make(self, index: int, bucket: int, x: torch.Tensor, x_grad: bool) -> int:
+        buffer = self._inputs.get((index, x.dtype, x_grad))
+        return 0 if buffer is not None and buffer.shape[1] >= bucket else max(bucket, self._top_bucket())
 
     def _recompute_need(self, tokens: int) -> Optional[int]:
         """One layer's activations at ``tokens``: the plan's measured cost of keeping a layer (at its longest
