@@ -724,6 +724,45 @@ def test_the_runs_first_capture_is_of_its_largest_bucket(caplog):
         _close([grads], [ref_grads])
 
 
+def test_near_the_limit_smaller_buckets_fit_in_the_pool_the_largest_one_sized(monkeypatch):
+    """Under a small card's limit the first capture (the largest bucket) sets the device's peak: its pool's
+    activations, all alive at once. That pool stays reserved and is counted there; were its peak also counted as the
+    step's, no smaller bucket would fit and every shorter row would replay the largest graphs padded. A smaller
+    bucket, which fits in the blocks the largest one frees, is captured; a bucket is refused again once the step's
+    own peak leaves no room. The eager layers' numbers throughout."""
+    gib = 2**30
+    batches = [_batch([120, 80], seed=1), _batch([150, 50], seed=2), _batch([300, 60], seed=3)]  # 1024*, 256, 384
+    expected = _plain(batches)
+    _, graphs = _packed_graphs()
+    model = _model()
+    _attached(model, graphs)
+    state = {"peak": 4 * gib, "pools": 0}  # 15 GiB limit, 3 held by tensors
+    monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: 3 * gib + state["pools"])
+    monkeypatch.setattr(layer_budget, "restart_peak", lambda device: None)
+    graphs._runner.budget = Budget(torch.device("cuda", 0), readings=lambda device: (15 * gib, state["peak"], 3 * gib))
+    graphs._runner.max_tokens = 1000  # as the plan's first look sets it: the first capture is of the 1024 bucket
+    capture_from = CudaGraphs._capture_from
+
+    def capture(self, *args, **kwargs):  # what a CUDA capture does to the readings (the CPU tape allocates nothing)
+        capture_from(self, *args, **kwargs)
+        if not state["pools"]:
+            state.update(pools=8 * gib, peak=11 * gib)
+            self._pools_reserved, self._layer_bytes, self._layer_bucket = 8 * gib, 2 * gib, 1024
+            self._kept_activations = 4 * 2 * gib  # 4 layers' at 1024 tokens: a smaller bucket fits in their blocks
+
+    monkeypatch.setattr(CudaGraphs, "_capture_from", capture)
+    got = [_step(model, batches[0]), _step(model, batches[1])]
+    layers = 4
+    assert graphs.captured == 2 * layers and graphs.reused == 0  # 256 captured beside the 1024 graphs
+    state["peak"] = 13 * gib  # the step's own peak, outside a capture: 10 GiB above what it holds stay free
+    got.append(_step(model, batches[2]))
+    assert graphs.captured == 2 * layers and graphs.reused == 1  # 384 refused: replayed on the 1024 graphs
+    assert graphs.replays == 3 * layers and graphs.eager == {}
+    for (loss, grads), (ref_loss, ref_grads) in zip(got, expected):
+        assert loss == pytest.approx(ref_loss, rel=1e-5, abs=0)
+        _close([grads], [ref_grads])
+
+
 @pytest.mark.parametrize("room", [False, True])
 def test_an_eager_call_of_a_graphed_layer_recomputes_only_without_room_for_a_second_copy(monkeypatch, room):
     """A graphed layer's pool keeps its activations between replays; when one of its calls runs eagerly (a row above

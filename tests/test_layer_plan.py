@@ -241,6 +241,33 @@ def test_with_the_pools_known_the_allocators_cache_is_not_counted_twice(monkeypa
     assert not budget.cache_in_the_way(LIMIT // 4 + 1, pools=LIMIT // 4)  # does not fit either way
 
 
+def test_a_peak_a_capture_set_is_its_pools_not_the_step_s(monkeypatch):
+    """A graph capture allocates its pool's activations, and the device's peak rises with them; the pool stays
+    reserved and counts there. The step's headroom is its own peak above what it holds: the peak read outside the
+    captures, until the peak rises above the last capture's again."""
+    gib = 2**30
+    state = {"peak": 4 * gib}
+    monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: 11 * gib)  # 3 held by tensors, 8 by the pool
+    budget = Budget(CPU, lambda device: (15 * gib, state["peak"], 3 * gib))
+    assert budget.step_peak(state["peak"]) == 4 * gib
+    with budget.capturing():
+        state["peak"] = 11 * gib  # the pool's activations, all alive at once during the capture
+    assert budget.step_peak(11 * gib) == 4 * gib
+    # a smaller bucket into the same pool takes nothing beside it: 15 - 11 - 0 >= max(1.5, 4 - 3)
+    assert budget.graphs_room(0, pools=8 * gib) is None
+    assert "1.5 GiB stay free" in budget.graphs_room(3 * gib, pools=8 * gib)  # 15 - 11 - 3 < 1.5
+    state["peak"] = 12 * gib  # the step itself rose above the capture's peak: 12 - 3 stays free
+    assert budget.step_peak(12 * gib) == 12 * gib
+    assert "9.0 GiB stay free" in budget.graphs_room(0, pools=8 * gib)
+    with budget.capturing():  # the rise outside the captures is remembered past the next one
+        state["peak"] = 13 * gib
+    assert budget.step_peak(13 * gib) == 12 * gib
+    no_readings = Budget(CPU, lambda device: None)
+    with no_readings.capturing():
+        pass
+    assert no_readings.step_peak(5) == 5
+
+
 def test_off_cuda_nothing_is_crowded():
     assert fake([(LIMIT, 0, 0)]).crowded(LIMIT * 10) is False
 

@@ -52,7 +52,8 @@ KV cache, an unknown tensor), no varlen kernel (``cached_packing`` with the ``va
 hooks on a module inside the layer (a graph would run them once, at capture), not enough free memory for another
 layer's graphs (the run's budget decides, ``layer_budget.Budget.graphs_room``: what the allocator has not reserved of
 the process's limit, less the graphs asked for, must stay above the budget's margin of that limit and above the
-step's peak so far less what it holds now; reserved, because the pools keep their memory between replays), a
+step's own peak so far less what it holds now; reserved, because the pools keep their memory between replays; its
+own, because a peak a capture set is that pool's, reserved already: ``Budget.capturing``), a
 trainable parameter the graph does not reach (held by reference outside its module).
 
 Near the memory limit: a pool keeps its memory for good, so a second copy of the activations it holds is what would
@@ -79,6 +80,7 @@ shows on a CPU too.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import logging
@@ -533,8 +535,10 @@ class CudaGraphs:
         them (``ops.recompute_graphs``: nothing of theirs is alive in it between two replays)."""
         self._captures += 1
         started = time.perf_counter()
+        budget = self._runner.budget if self._runner is not None else None
         try:
-            self._capture_from(first, variant, x, kwargs)
+            with budget.capturing() if budget is not None else contextlib.nullcontext():
+                self._capture_from(first, variant, x, kwargs)
         finally:
             if x.is_cuda:  # pools change only here: the budget reads this, not the allocator's snapshot, per call
                 self._pools_reserved = sum(self.pool_bytes().values())

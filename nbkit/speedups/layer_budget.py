@@ -18,7 +18,9 @@ every method says so (None), except where a test hands in its own ``readings``.
   above what is held between micro-batches scaled to the longest micro-batch (``scale``), the allocator's reserved
   memory counted where it is more (graph pools keep theirs reserved).
 - ``graphs_room(need)``: whether ``need`` more bytes of graph pools fit now; the pools' memory is reserved for good, so
-  the room is the limit less what is reserved, and the step's own peak above the present must stay free. Given what
+  the room is the limit less what is reserved, and the step's own peak above the present must stay free. The step's
+  own: a peak set while a graph was captured (``capturing()``) is that capture's allocations in its pool, which stay
+  reserved and are counted there, not a second time as the step's (``step_peak``). Given what
   the pools reserve (``pools``), what is held is what tensors hold plus the pools: the allocator's cached blocks are
   where the step's own peak comes from, so they are not counted a second time; a capture cannot take them, though,
   so they are given back first where they are in its way (``cache_in_the_way(need, pools)``). A pool that stands in
@@ -31,6 +33,8 @@ every method says so (None), except where a test hands in its own ``readings``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -60,6 +64,8 @@ class Budget:
         self.device = device
         self._readings = readings or memory_readings
         self._allocated_at_start: Optional[int] = None
+        self._capture_peak: Optional[int] = None  # the peak read as the last graph capture ended
+        self._own_peak = 0  # the highest peak read outside graph captures, up to the last one's start
 
     @property
     def measured(self) -> bool:
@@ -98,6 +104,29 @@ class Budget:
                            f"{MARGIN:.0%} and the {fmt_bytes(used)} the plan's peak comes to at the longest "
                            "micro-batch, reserved memory counted where it is more")
 
+    @contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Around a graph capture: what it allocates goes into its pool, reserved for good and counted as reserved,
+        so a peak it sets is the pool's, not the step's own (``step_peak``)."""
+        before = self.read()
+        if before is not None and (self._capture_peak is None or before[1] > self._capture_peak):
+            self._own_peak = max(self._own_peak, before[1])  # the peak rose outside a capture since the last one
+        try:
+            yield
+        finally:
+            after = self.read()
+            if after is not None:
+                self._capture_peak = after[1]
+
+    def step_peak(self, peak: int) -> int:
+        """Of the device's ``peak``, the step's own: the peak itself before any capture or once it has risen above the
+        last capture's; else the highest read outside the captures. A peak of the step's that stays below a capture's
+        does not show in the counters; the one read before the captures stands for it: the same micro-batches with
+        their layers eager, whose activations the graphs now keep in their pools."""
+        if self._capture_peak is None or peak > self._capture_peak:
+            return peak
+        return self._own_peak
+
     def graphs_room(self, need: int, stands_in: bool = False, pools: Optional[int] = None) -> Optional[str]:
         """None when ``need`` more bytes of graph pools fit now; else why not, in words. ``stands_in``: the pool
         stands in for allocations the step makes from the allocator's cache, whose cached blocks then do not count.
@@ -112,7 +141,7 @@ class Budget:
             reserved = min(allocated + pools, max(gpu_reserved(self.device), allocated))
         else:
             reserved = max(gpu_reserved(self.device), allocated)
-        headroom = max(MARGIN * limit, peak - allocated)  # what the step may still need beyond what it holds
+        headroom = max(MARGIN * limit, self.step_peak(peak) - allocated)  # what the step may need beyond what it holds
         if limit - reserved - need < headroom:
             return (f"no memory for more graphs ({(limit - reserved) / 2**30:.1f} GiB not reserved, the graphs take "
                     f"~{need / 2**30:.2f} GiB and {headroom / 2**30:.1f} GiB stay free for the step)")

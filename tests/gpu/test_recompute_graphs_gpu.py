@@ -59,3 +59,41 @@ def test_the_pool_holds_about_one_layers_activations():
           f"one block's activations ~{activations / 2**20:.0f} MiB, {count} blocks")
     assert kept_bytes > (count - 1) * activations
     assert recomputed_bytes < kept_bytes / 2
+
+
+def test_the_peak_a_capture_sets_is_its_pools_not_the_steps():
+    """What ``Budget.capturing`` rests on: a capture's allocations in its pool count in the device's peak (by about
+    the stack's activations, all alive at once), and the pool stays reserved. The budget's step peak leaves them out,
+    until the step's own allocations rise above the capture's peak."""
+    from nbkit.ops.layer_graphs import CudaGraphBackend, GraphedLayer
+    from nbkit.speedups.layer_budget import Budget
+
+    hidden, tokens, count = 1024, 4096, 8
+    backend = CudaGraphBackend()
+    torch.manual_seed(0)
+    extra = torch.randn(1, tokens, 2 * hidden, device="cuda")
+    blocks = [Block(hidden).cuda() for _ in range(count)]
+    grad_out = torch.zeros(1, tokens, hidden, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    budget = Budget(torch.device("cuda", torch.cuda.current_device()))
+    before = torch.cuda.max_memory_allocated()
+    with budget.capturing():
+        pool = backend.pool()
+        layers = [GraphedLayer(b, b.forward, grad_out, True, lambda: {"extra": extra}, grad_out, backend, pool)
+                  for b in blocks]
+        for layer in layers:
+            layer.capture_forward()
+        for layer in reversed(layers):
+            layer.capture_backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    activations = 3 * tokens * 2 * hidden * 4  # a block keeps ~3 tensors of 2H a token
+    print(f"peak {before / 2**20:.0f} -> {peak / 2**20:.0f} MiB in the capture; one block's activations "
+          f"~{activations / 2**20:.0f} MiB, {count} blocks")
+    assert peak - before > (count - 1) * activations
+    assert budget.step_peak(peak) == before
+    rise = torch.empty(peak - torch.cuda.memory_allocated() + (64 << 20), dtype=torch.uint8, device="cuda")
+    above = torch.cuda.max_memory_allocated()
+    assert above > peak and budget.step_peak(above) == above
+    del rise, layers
