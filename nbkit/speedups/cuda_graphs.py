@@ -45,16 +45,16 @@ How:
   eagerly before (step 1's measurement, or a warm-up of an earlier capture). ``capture_s`` counts the seconds
   spent capturing.
 
-Eager instead, per call the runner hands it, said once per reason and counted in ``eager`` (each reason an
-``Eager``: its text, and whether it holds for this call, until the plan graphs the layer, or for the variant): more
-tokens than ``max_tokens``, more documents than a bucket holds, an argument the graph cannot take (a padding mask, a
-KV cache, an unknown tensor), no varlen kernel (``cached_packing`` with the ``varlen`` or ``flash_attn`` kernel),
-hooks on a module inside the layer (a graph would run them once, at capture), not enough free memory for another
-layer's graphs (the run's budget decides, ``layer_budget.Budget.graphs_room``: what the allocator has not reserved of
-the process's limit, less the graphs asked for, must stay above the budget's margin of that limit and above the
-step's own peak so far less what it holds now; reserved, because the pools keep their memory between replays; its
-own, because a peak a capture set is that pool's, reserved already: ``Budget.capturing``), a
-trainable parameter the graph does not reach (held by reference outside its module).
+Eager instead, per call the runner hands it, said once per reason and counted in ``eager`` (each reason a
+``graph_eligibility.Eager``: its text, and whether it holds for this call, until the plan graphs the layer, or for
+the variant): more tokens than ``max_tokens``, more documents than a bucket holds, an argument the graph cannot take
+(a padding mask, a KV cache, an unknown tensor), no varlen kernel (``cached_packing`` with the ``varlen`` or
+``flash_attn`` kernel), hooks on a module inside the layer (a graph would run them once, at capture), not enough
+free memory for another layer's graphs (the run's budget decides, ``layer_budget.Budget.graphs_room``: what the
+allocator has not reserved of the process's limit, less the graphs asked for, must stay above the budget's margin of
+that limit and above the step's own peak so far less what it holds now; reserved, because the pools keep their
+memory between replays; its own, because a peak a capture set is that pool's, reserved already:
+``Budget.capturing``), a trainable parameter the graph does not reach (held by reference outside its module).
 
 Near the memory limit: a pool keeps its memory for good, so a second copy of the activations it holds is what would
 run the GPU out of memory. A row whose bucket has no graphs yet, when that bucket's capture does not fit, replays the
@@ -81,11 +81,10 @@ shows on a CPU too.
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import torch
@@ -107,6 +106,26 @@ from ..ops.varlen_attention import KERNEL_FNS, PackedRun
 from ..say_once import SayOnce
 from ..settings import check_value
 from .graph_buckets import BUCKETS, DROPPED_KWARGS, TOKENWISE_KWARGS, BucketMetadata, bucket_for, doc_capacity, rope_key
+from .graph_eligibility import (
+    CAPTURE_FAILED,
+    CHECKPOINTED,
+    HOOKED,
+    OTHER_GRAD,
+    OTHER_ROPE,
+    OTHER_TURN,
+    TOO_MANY_CAPTURES,
+    UNREACHED,
+    Eager,
+    Entry,
+    Kind,
+    Variant,
+    hooked,
+    layer_parameters,
+    layer_reason,
+    layer_shape,
+    stale,
+    why_not_model,
+)
 from .layer_plan import KEPT, UNSIZED
 
 if TYPE_CHECKING:
@@ -120,110 +139,6 @@ AUTO_MAX_WORK = 6e11  # 'auto': a layer's parameters x a bucket's tokens, at mos
 MAX_CAPTURES = 2 * len(BUCKETS)  # capture calls (buckets, argument states, layers un-checkpointed late)
 _FUSED_KERNELS = (KERNEL_FNS["varlen"], KERNEL_FNS["flash_attn"])
 _NONE_KWARGS = ("attention_mask", "past_key_values", "past_key_value", "cache")
-_MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-
-def layer_parameters(layer: torch.nn.Module) -> int:
-    """A layer's parameter count, 4-bit weights counted by their unpacked shape."""
-    total = 0
-    for p in layer.parameters():
-        state = getattr(p, "quant_state", None)
-        total += int(torch.Size(state.shape).numel()) if state is not None and getattr(state, "shape", None) else p.numel()
-    return total
-
-
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
-def _hooked(layer: torch.nn.Module) -> bool:
-    """Whether a module inside ``layer`` (not the layer itself: its hooks run around the replay), or every module,
-    has hooks: they run in Python, so a graph would run them once, at its capture."""
-    from torch.nn.modules import module as nn_module
-
-    if any(getattr(nn_module, f"_global{name}", None) for name in _HOOKS):
-        return True
-    return any(getattr(m, name, None) for m in layer.modules() if m is not layer for name in _HOOKS)
-
-
-def _layer_shape(layer: torch.nn.Module) -> tuple:
-    """What makes two decoder layers run the same kernels on the same shapes: their class, attention type and
-    parameters' shapes and dtypes. One warm-up per shape in a capture call (a warm-up is a whole eager forward and
-    backward of the layer); the layers after it capture on the kernels and workspaces it made."""
-    params = tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in layer.named_parameters())
-    return type(layer), rope_key(layer), params
-
-
-class Kind(enum.Enum):
-    """What the code does with a reason a layer call runs eagerly."""
-
-    THIS_CALL = "this call"  # the forward's shape or arguments: the next forward may replay
-    CHECKPOINTED = "checkpointed"  # recomputed in backward: captured at its next call once un-checkpointed
-    LASTING = "lasting"  # this layer stays eager in this variant (hooks, unreached parameters, failed capture, memory)
-
-
-@dataclass(frozen=True)
-class Eager:
-    """Why a layer call runs eagerly: ``text`` is what is said once and counted in ``CudaGraphs.eager``."""
-
-    text: str
-    kind: Kind = Kind.THIS_CALL
-
-
-NOT_TRAINING = Eager("not training")
-CHECKPOINTED = Eager("checkpointed layer", Kind.CHECKPOINTED)
-HOOKED = Eager("hooks inside the layer", Kind.LASTING)
-UNREACHED = Eager("trainable parameters the graph does not reach (held by reference outside their module)",
-                  Kind.LASTING)
-CAPTURE_FAILED = Eager("capture failed", Kind.LASTING)
-TOO_MANY_CAPTURES = Eager("too many captures")
-OTHER_ROPE = Eager("position embeddings differ between layers of one type")
-OTHER_GRAD = Eager("the input's requires_grad differs from the capture's")
-OTHER_TURN = Eager("a forward of another bucket awaits its backward (their graphs share a pool)")
-
-
-@dataclass(frozen=True)
-class Variant:
-    """What one set of graphs is captured for: the same for every layer of one forward, decided at its first."""
-
-    bucket: int
-    autocast: tuple  # (enabled, dtype) on the input's device
-    constants: tuple  # the bool/int/float/str keyword arguments, sorted
-    tokenwise: tuple  # which per-token arguments are given
-
-
-Entry = Union[GraphedLayer, RecomputedLayer, Eager]
-
-
-def _stale(entry: Entry, kept: bool) -> bool:
-    """Whether a layer's entry in a variant is captured again at its next call: it had no graphs because the plan
-    did not graph it then, or it has the graphs of the other plan (kept: ``GraphedLayer``; checkpointed:
-    ``RecomputedLayer``)."""
-    if isinstance(entry, Eager):
-        return entry.kind is Kind.CHECKPOINTED
-    return isinstance(entry, GraphedLayer) != kept
-
-
-def _layer_reason(runner: Any, layer: Any) -> Optional[Eager]:
-    """Why this layer's call runs eagerly whatever the forward (None: it may run on graphs)."""
-    if not layer.module.training or not torch.is_grad_enabled():
-        return NOT_TRAINING
-    if not runner.plans[layer.index].graphed:
-        return CHECKPOINTED
-    return None
-
-
-def _why_not_model(base: torch.nn.Module, layers: list[torch.nn.Module]) -> Optional[str]:
-    config = getattr(base, "config", None)
-    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
-    if any(getattr(text, key, None) for key in _MOE_CONFIG_KEYS):
-        return "a MoE model (its experts' shapes depend on the routing)"
-    if float(getattr(text, "attention_dropout", 0.0) or 0.0) > 0:
-        return "attention dropout > 0 (a graph would repeat its random numbers)"
-    for layer in layers:
-        for m in layer.modules():
-            if isinstance(m, torch.nn.Dropout) and m.p > 0:
-                return "dropout > 0 in a decoder layer (a graph would repeat its random numbers)"
-    return None
 
 
 class CudaGraphs:
@@ -333,7 +248,7 @@ class CudaGraphs:
         if wanted is not None and (param is None or param.device.type != wanted):
             self._say("cpu", "off (the model is not on a CUDA GPU)", logging.WARNING if self.mode is True else logging.INFO)
             return False
-        why = _why_not_model(base, layers)
+        why = why_not_model(base, layers)
         if why:
             self._say("model", f"off: {why}")
             return False
@@ -377,7 +292,7 @@ class CudaGraphs:
         """The graphs this call replays, its bucket's metadata loaded, the turn its replay counts on (kept layers'
         graphs in the shared pool) and what loads that metadata again before its backward; or why it runs eagerly
         (said once per reason, counted)."""
-        why, turn = _layer_reason(runner, layer), None
+        why, turn = layer_reason(runner, layer), None
         if why is None:
             plan = self._plan(hidden_states, args, kwargs)
             if isinstance(plan, Variant) and (open_turn := self._turns.open()) is not None and open_turn.key != plan:
@@ -519,7 +434,7 @@ class CudaGraphs:
         """This layer's graphs for the forward's variant (captured now, from this layer on, if new), or why it has
         none."""
         entry = self._graphs.get((index, variant))
-        if entry is None or _stale(entry, self._kept(index)):  # new, or its plan changed since its bucket's capture
+        if entry is None or stale(entry, self._kept(index)):  # new, or its plan changed since its bucket's capture
             if self._captures >= MAX_CAPTURES:
                 return TOO_MANY_CAPTURES
             self._capture(index, variant, x, kwargs)
@@ -569,7 +484,7 @@ class CudaGraphs:
             for i in range(first, len(self._layers)):
                 record, entry = self._layers[i], self._graphs.get((i, variant))
                 layer, keep = record.module, self._kept(i)
-                if entry is not None and not _stale(entry, keep):  # captured, or a lasting reason
+                if entry is not None and not stale(entry, keep):  # captured, or a lasting reason
                     x_grad = True
                     continue
                 why: Optional[Eager] = None
@@ -577,7 +492,7 @@ class CudaGraphs:
                 made = self._new_grads(i, layer) + self._new_input(i, bucket, x, x_grad) if keep else 0
                 if not self._runner.plans[i].graphed:
                     why = CHECKPOINTED
-                elif _hooked(layer):
+                elif hooked(layer):
                     why = HOOKED
                     self._say(f"hooks{i}", f"layer {i} runs eagerly: a module inside it has hooks (they would run "
                               "at the capture only)")
@@ -607,7 +522,7 @@ class CudaGraphs:
                 static_kwargs = shared.static_kwargs(kwargs, rope_key(layer))
                 label = f"decoder layer {i}"
                 # a layer never run before warms up too: whatever it sets up at its first call is not captured
-                shape = (keep, x_grad, _layer_shape(layer))
+                shape = (keep, x_grad, layer_shape(layer))
                 warm = shape not in warmed or not (record.measured or i in self._warmed_layers)
                 if warm:
                     warmed.add(shape)
@@ -763,7 +678,7 @@ class CudaGraphs:
         measurements (``runner.costs`` at ``runner.max_tokens``); 0 before them. A layer with hooks inside runs
         eagerly whatever the plan (``HOOKED``): nothing is held back for it."""
         sized = [c for c in runner.costs if c.kept < UNSIZED]
-        layers = [layer for layer in runner.layers if layer.checkpointed and layer.graphable and not _hooked(layer.module)]
+        layers = [layer for layer in runner.layers if layer.checkpointed and layer.graphable and not hooked(layer.module)]
         if not self.checkpointed or self._runner is not runner or not sized or not layers or not runner.max_tokens:
             return 0
         top = self._top_bucket()

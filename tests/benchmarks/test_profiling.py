@@ -12,7 +12,7 @@ import torch
 from benchmarks.profiling import module_ranges
 from nbkit.demo.models import tiny_model
 from nbkit.model_parts import decoder_layers
-from nbkit.speedups.cuda_graphs import _hooked
+from nbkit.speedups.graph_eligibility import hooked
 
 
 def _hooks(m: torch.nn.Module) -> int:
@@ -23,9 +23,9 @@ def test_layers_split_by_default_and_kept_whole_for_a_graphed_path():
     model = tiny_model("qwen3", 64, seed=0)
     layers = decoder_layers(model)
     with module_ranges(model):
-        assert all(_hooked(layer) for layer in layers)  # split: what cuda_graphs refuses
+        assert all(hooked(layer) for layer in layers)  # split: what cuda_graphs refuses
     with module_ranges(model, inside_layers=False):
-        assert not any(_hooked(layer) for layer in layers)
+        assert not any(hooked(layer) for layer in layers)
         assert all(_hooks(layer) == 2 for layer in layers)  # one range around each layer
         assert _hooks(model.model.embed_tokens) == 2 and _hooks(model.model.norm) == 2
     assert not any(_hooks(m) for m in model.modules())  # all removed
