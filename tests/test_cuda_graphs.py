@@ -31,6 +31,7 @@ from nbkit.speedups import cuda_graphs as graphs_mod
 from nbkit.speedups.cuda_graphs import MAX_TOKENS, CudaGraphs
 from nbkit.speedups.fused_lora import FusedLoRA
 from nbkit.speedups.graph_buckets import BUCKETS, bucket_for, doc_capacity
+from nbkit.speedups.graph_memory import GraphMemory
 from nbkit.speedups.layer_budget import Budget
 from nbkit.speedups.layer_runner import LayerRunner
 from nbkit.speedups.packed_attention import PackedAttention
@@ -351,16 +352,16 @@ def test_a_capture_into_the_kept_pool_needs_what_the_pools_earlier_captures_did_
     or of a bucket larger than any the pool held (its tensors do not fit the smaller freed blocks), needs all of
     it."""
     graphs = CudaGraphs(mode=True)
-    graphs._layer_bytes, graphs._layer_bucket = 100 * 4096, 4096
-    assert graphs._need(4096, layers=3) == 3 * 100 * 4096  # a pool of their own
-    assert graphs._need(4096, layers=3, taken=0) == 3 * 100 * 4096  # an empty kept pool
-    graphs._kept_activations, graphs._kept_tokens = 4 * 100 * 4096, 4096  # four layers at 4096
-    assert graphs._need(2048, layers=4, taken=0) == 0  # half the tokens: it fits in what was freed
-    assert graphs._need(2048, layers=4, taken=6) == 2 * 100 * 2048  # beyond eight layers at 2048: two more
-    assert graphs._need(4096, layers=1, taken=4) == 100 * 4096  # a fifth layer: beyond the pool's earlier captures
-    assert graphs._need(8192, layers=4, taken=0) == 4 * 100 * 8192  # a larger bucket: all of it
-    graphs._layer_bytes = None
-    assert graphs._need(2048, taken=0) is None  # nothing measured: nothing to size by
+    graphs.memory.layer_bytes, graphs.memory.layer_bucket = 100 * 4096, 4096
+    assert graphs.memory.need(4096, layers=3) == 3 * 100 * 4096  # a pool of their own
+    assert graphs.memory.need(4096, layers=3, taken=0) == 3 * 100 * 4096  # an empty kept pool
+    graphs.memory.kept_activations, graphs.memory.kept_tokens = 4 * 100 * 4096, 4096  # four layers at 4096
+    assert graphs.memory.need(2048, layers=4, taken=0) == 0  # half the tokens: it fits in what was freed
+    assert graphs.memory.need(2048, layers=4, taken=6) == 2 * 100 * 2048  # beyond eight layers at 2048: two more
+    assert graphs.memory.need(4096, layers=1, taken=4) == 100 * 4096  # a fifth layer: beyond the pool's earlier captures
+    assert graphs.memory.need(8192, layers=4, taken=0) == 4 * 100 * 8192  # a larger bucket: all of it
+    graphs.memory.layer_bytes = None
+    assert graphs.memory.need(2048, taken=0) is None  # nothing measured: nothing to size by
 
 
 def test_calls_a_graph_cannot_take_run_eagerly_with_their_reason():
@@ -447,30 +448,29 @@ def test_another_layer_is_captured_only_while_the_step_keeps_its_headroom(monkey
     monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: readings["reserved"])
     runner = LayerRunner()
     runner.budget = Budget(cuda, readings=lambda device: (readings["limit"], readings["peak"], 20 * gib))
-    graphs = CudaGraphs(mode=True)
-    graphs._runner = runner
-    graphs._layer_bytes, graphs._layer_bucket = 1 * gib, 4096
+    memory = GraphMemory(runner)
+    memory.layer_bytes, memory.layer_bucket = 1 * gib, 4096
     readings.update(limit=100 * gib)
-    assert graphs._memory_problem(cuda, 4096) is None  # 80 - 1 >= max(10, 25 - 20)
+    assert memory.problem(cuda, 4096) is None  # 80 - 1 >= max(10, 25 - 20)
     readings.update(limit=32 * gib)
-    assert graphs._memory_problem(cuda, 4096) is None  # 12 - 1 >= max(3.2, 5)
-    assert graphs._memory_problem(cuda, 4096, layers=8) is not None  # 12 - 8 < 5
-    assert graphs._memory_problem(cuda, 2048, layers=8) is None  # 12 - 4 >= 5: half the bucket, half the bytes
+    assert memory.problem(cuda, 4096) is None  # 12 - 1 >= max(3.2, 5)
+    assert memory.problem(cuda, 4096, layers=8) is not None  # 12 - 8 < 5
+    assert memory.problem(cuda, 2048, layers=8) is None  # 12 - 4 >= 5: half the bucket, half the bytes
     readings.update(reserved=27 * gib)  # 7 GiB held by pools, not by tensors
-    graphs._pools_reserved = 7 * gib
-    assert "5.0 GiB not reserved" in graphs._memory_problem(cuda, 4096)
-    graphs._pools_reserved = 0
+    memory.pools_reserved = 7 * gib
+    assert "5.0 GiB not reserved" in memory.problem(cuda, 4096)
+    memory.pools_reserved = 0
     readings.update(reserved=20 * gib, peak=32 * gib)
-    assert "12.0 GiB stay free" in graphs._memory_problem(cuda, 4096)  # the step may still need 12 GiB more
+    assert "12.0 GiB stay free" in memory.problem(cuda, 4096)  # the step may still need 12 GiB more
     readings.update(peak=20 * gib, limit=31.5 * gib)
-    assert graphs._memory_problem(cuda, 4096) is None  # 11.5 - 1 >= 3.15
+    assert memory.problem(cuda, 4096) is None  # 11.5 - 1 >= 3.15
     readings.update(limit=22 * gib)
-    assert "2.2 GiB stay free" in graphs._memory_problem(cuda, 4096)  # 2 - 1 < 10% of the limit
-    graphs._layer_bytes = None
-    assert graphs._memory_problem(cuda, 4096) is None  # the first layer: nothing to size by yet
-    graphs._layer_bytes = 1 * gib
+    assert "2.2 GiB stay free" in memory.problem(cuda, 4096)  # 2 - 1 < 10% of the limit
+    memory.layer_bytes = None
+    assert memory.problem(cuda, 4096) is None  # the first layer: nothing to size by yet
+    memory.layer_bytes = 1 * gib
     runner.budget = Budget(torch.device("cpu"))  # off CUDA: no readings, nothing refused
-    assert graphs._memory_problem(torch.device("cpu"), 4096) is None
+    assert memory.problem(torch.device("cpu"), 4096) is None
 
 
 def test_kept_graphs_are_refused_by_what_the_pools_reserve_not_by_the_allocators_cache(monkeypatch):
@@ -482,14 +482,13 @@ def test_kept_graphs_are_refused_by_what_the_pools_reserve_not_by_the_allocators
     monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: 27 * gib)  # 20 held by tensors, 2 by pools
     runner = LayerRunner()
     runner.budget = Budget(cuda, readings=lambda device: (32 * gib, 25 * gib, 20 * gib))
-    graphs = CudaGraphs(mode=True)
-    graphs._runner = runner
-    graphs._layer_bytes, graphs._layer_bucket = 1 * gib, 4096
-    assert graphs._memory_problem(cuda, 4096) is None  # no pools yet: 32 - 20 - 1 >= 5
-    assert "12.0 GiB not reserved" in graphs._memory_problem(cuda, 4096, layers=8)  # 32 - 20 - 8 < 5
-    graphs._pools_reserved = 2 * gib
-    assert graphs._memory_problem(cuda, 4096) is None  # 32 - 22 - 1 >= 5
-    assert graphs._memory_problem(cuda, 4096, layers=6) is not None  # 32 - 22 - 6 < 5
+    memory = GraphMemory(runner)
+    memory.layer_bytes, memory.layer_bucket = 1 * gib, 4096
+    assert memory.problem(cuda, 4096) is None  # no pools yet: 32 - 20 - 1 >= 5
+    assert "12.0 GiB not reserved" in memory.problem(cuda, 4096, layers=8)  # 32 - 20 - 8 < 5
+    memory.pools_reserved = 2 * gib
+    assert memory.problem(cuda, 4096) is None  # 32 - 22 - 1 >= 5
+    assert memory.problem(cuda, 4096, layers=6) is not None  # 32 - 22 - 6 < 5
 
 
 def test_a_layers_first_capture_counts_its_gradient_buffers(monkeypatch):
@@ -501,20 +500,19 @@ def test_a_layers_first_capture_counts_its_gradient_buffers(monkeypatch):
     monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: 20 * gib)
     runner = LayerRunner()
     runner.budget = Budget(cuda, readings=lambda device: (32 * gib, 20 * gib, 20 * gib))
-    graphs = CudaGraphs(mode=True)
-    graphs._runner = runner
-    graphs._layer_bytes, graphs._layer_bucket = 1 * gib, 4096
-    assert graphs._memory_problem(cuda, 4096, grads=7 * gib) is None  # 12 - 8 >= 3.2
-    assert graphs._memory_problem(cuda, 4096, grads=8 * gib) is not None  # 12 - 9 < 3.2
-    assert graphs._memory_problem(cuda, 4096, stands_in=True, grads=8 * gib) is None  # recompute: the plan's reserve
+    memory = GraphMemory(runner)
+    memory.layer_bytes, memory.layer_bucket = 1 * gib, 4096
+    assert memory.problem(cuda, 4096, grads=7 * gib) is None  # 12 - 8 >= 3.2
+    assert memory.problem(cuda, 4096, grads=8 * gib) is not None  # 12 - 9 < 3.2
+    assert memory.problem(cuda, 4096, stands_in=True, grads=8 * gib) is None  # recompute: the plan's reserve
 
     asked = []
     _, graphs = _packed_graphs()
     model = _model()
     _attached(model, graphs)
-    monkeypatch.setattr(CudaGraphs, "_memory_problem", lambda self, device, bucket, layers=1, **kw: asked.append(
+    monkeypatch.setattr(GraphMemory, "problem", lambda self, device, bucket, layers=1, **kw: asked.append(
         (layers, kw.get("grads"))) or None)
-    graphs._layer_bytes, graphs._layer_bucket = 1, 256  # as a CUDA capture measures them (the CPU tape does not)
+    graphs.memory.layer_bytes, graphs.memory.layer_bucket = 1, 256  # as a CUDA capture measures them (not the CPU tape)
     _step(model, _batch([120, 80, 100], seed=1))
     layer = graphs._layers[0].module
     lora = sum(p.numel() * p.element_size() for n, p in layer.named_parameters() if "lora_" in n)
@@ -541,15 +539,14 @@ def test_recompute_graphs_are_sized_by_the_plan_and_count_from_what_tensors_hold
     monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: 30 * gib)  # the cache holds 10 GiB
     runner = LayerRunner()
     runner.budget = Budget(cuda, readings=lambda device: (32 * gib, 25 * gib, 20 * gib))
-    graphs = CudaGraphs(mode=True)
-    graphs._runner = runner
-    assert graphs._memory_problem(cuda, 4096, stands_in=True) is None  # nothing measured yet: nothing to size by
+    memory = GraphMemory(runner)
+    assert memory.problem(cuda, 4096, stands_in=True) is None  # nothing measured yet: nothing to size by
     runner.costs, runner.max_tokens = [LayerCost(4 * gib, 2 * gib, 0), LayerCost(UNSIZED, UNSIZED, 0)], 4096
-    assert graphs._recompute_need(1024) == 1 * gib  # the largest measured layer, at a quarter of its tokens
-    assert graphs._memory_problem(cuda, 1024, stands_in=True) is None  # 32 - 20 - 1 >= max(3.2, 5)
-    assert graphs._memory_problem(cuda, 1024) is None  # kept graphs: sized by what graphs measured (none yet)
-    assert runner.budget.cache_in_the_way(graphs._recompute_need(1024))  # 32 - 30 - 1 < 5: the cache goes first
-    assert "no memory" in graphs._memory_problem(cuda, 8192, stands_in=True)  # 32 - 20 - 8 < 5
+    assert memory.recompute_need(1024) == 1 * gib  # the largest measured layer, at a quarter of its tokens
+    assert memory.problem(cuda, 1024, stands_in=True) is None  # 32 - 20 - 1 >= max(3.2, 5)
+    assert memory.problem(cuda, 1024) is None  # kept graphs: sized by what graphs measured (none yet)
+    assert runner.budget.cache_in_the_way(memory.recompute_need(1024))  # 32 - 30 - 1 < 5: the cache goes first
+    assert "no memory" in memory.problem(cuda, 8192, stands_in=True)  # 32 - 20 - 8 < 5
 
 
 def test_the_plan_holds_back_nothing_for_layers_whose_hooks_keep_them_eager():
@@ -586,13 +583,12 @@ def test_a_kept_capture_that_counts_on_the_cache_gives_it_back_first(monkeypatch
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
     runner = LayerRunner()
     runner.budget = Budget(cuda, readings=lambda device: (32 * gib, 25 * gib, 20 * gib))
-    graphs = CudaGraphs(mode=True)
-    graphs._runner = runner
-    graphs._give_back_cache(cuda, 1 * gib, pools=2 * gib)  # 32 - 22 - 1 >= 5 with the cache given back, not beside it
+    memory = GraphMemory(runner)
+    memory.give_back_cache(cuda, 1 * gib, pools=2 * gib)  # 32 - 22 - 1 >= 5 with the cache given back, not beside it
     assert emptied == [1]
-    graphs._give_back_cache(cuda, 6 * gib, pools=2 * gib)  # fits neither way: the capture is refused, not helped
-    graphs._give_back_cache(cuda, None, pools=2 * gib)  # nothing measured yet
-    graphs._give_back_cache(torch.device("cpu"), 1 * gib, pools=2 * gib)
+    memory.give_back_cache(cuda, 6 * gib, pools=2 * gib)  # fits neither way: the capture is refused, not helped
+    memory.give_back_cache(cuda, None, pools=2 * gib)  # nothing measured yet
+    memory.give_back_cache(torch.device("cpu"), 1 * gib, pools=2 * gib)
     assert emptied == [1]
 
 
@@ -687,10 +683,10 @@ def test_a_row_whose_bucket_does_not_fit_replays_a_larger_captured_one(monkeypat
     _, graphs = _packed_graphs()
     model = _model()
     _attached(model, graphs)
-    monkeypatch.setattr(CudaGraphs, "_memory_problem",
+    monkeypatch.setattr(GraphMemory, "problem",
                         lambda self, device, bucket, layers=1, **kw: "no memory" if bucket < 384 and layers > 1 else None)
     got = [_step(model, batches[0])]
-    graphs._layer_bytes = 1  # as a CUDA capture measures it (the CPU tape does not)
+    graphs.memory.layer_bytes = 1  # as a CUDA capture measures it (the CPU tape does not)
     got.append(_step(model, batches[1]))
     layers = 4
     assert graphs.captured == layers and graphs.reused == 1  # no capture at 256: the 384 graphs replayed
@@ -747,8 +743,8 @@ def test_near_the_limit_smaller_buckets_fit_in_the_pool_the_largest_one_sized(mo
         capture_from(self, *args, **kwargs)
         if not state["pools"]:
             state.update(pools=8 * gib, peak=11 * gib)
-            self._pools_reserved, self._layer_bytes, self._layer_bucket = 8 * gib, 2 * gib, 1024
-            self._kept_activations = 4 * 2 * gib  # 4 layers' at 1024 tokens: a smaller bucket fits in their blocks
+            self.memory.pools_reserved, self.memory.layer_bytes, self.memory.layer_bucket = 8 * gib, 2 * gib, 1024
+            self.memory.kept_activations = 4 * 2 * gib  # 4 layers' at 1024 tokens: a smaller bucket fits in their blocks
 
     monkeypatch.setattr(CudaGraphs, "_capture_from", capture)
     got = [_step(model, batches[0]), _step(model, batches[1])]
@@ -775,7 +771,7 @@ def test_an_eager_call_of_a_graphed_layer_recomputes_only_without_room_for_a_sec
         asked.append((bucket, layers))
         return None if room or bucket <= 256 else "no memory"
 
-    monkeypatch.setattr(CudaGraphs, "_memory_problem", problem)
+    monkeypatch.setattr(GraphMemory, "problem", problem)
     batches = [_batch([200, 56], seed=1), _batch([300, 100], seed=2)]  # 256 tokens: graphs; 400: above max_tokens
     expected = _plain(batches)
     _, graphs = _packed_graphs(max_tokens=256)

@@ -126,6 +126,7 @@ from .graph_eligibility import (
     stale,
     why_not_model,
 )
+from .graph_memory import GraphMemory
 from .layer_plan import KEPT, UNSIZED
 
 if TYPE_CHECKING:
@@ -180,16 +181,13 @@ class CudaGraphs:
         self.eager: dict[str, int] = {}
 
     def _reset(self) -> None:
+        self.memory = GraphMemory(self._runner)  # what the graphs hold, and whether more fit
         self._layers: list[Any] = []  # the runner's Layer records
         self._graphs: dict[tuple[int, Variant], Entry] = {}  # its graphs, or why it has none
         self._buffers: dict[tuple, Shared] = {}  # a bucket's static buffers, by bucket, dtype, x's grad (_shared_buffers)
         self._recompute_pool: Any = None  # every recomputed layer's graphs, whatever the bucket (recompute_graphs)
-        self._recompute_tokens = 0  # the largest bucket captured in it
         self._kept_pool: Any = None  # kept layers' graphs, each variant's first capture (see _capture_from)
         self._own_pools: list = []  # kept layers' graphs captured late, a pool a capture call
-        self._kept_activations = 0  # what their activations take of it, as _need sizes them: the most of one capture
-        self._kept_tokens = 0  # the largest bucket captured into it
-        self._pools_reserved = 0  # what every pool reserves: none before the first capture, read after each (CUDA)
         self._pooled: set[Variant] = set()  # the variants captured into it
         self._turns = Turns()  # whose forward may replay in it (layer_graphs.Turns)
         self._inputs: dict[tuple, torch.Tensor] = {}  # a kept layer's static input, every bucket's a view of it
@@ -199,8 +197,6 @@ class CudaGraphs:
         self._plan_of_run: Union[Eager, Variant, None] = None
         self._eager_run: Optional[PackedRun] = None  # the forward whose eager graphed calls were decided
         self._eager_keeps = True  # whether they keep their activations (else recompute)
-        self._layer_bytes: Optional[int] = None  # what one layer's graphs keep, measured at _layer_bucket tokens
-        self._layer_bucket = 1
         self._graphed: set[int] = set()  # layers with graphs in some variant: their pools hold their activations
         self._warmed_layers: set[int] = set()  # layers a capture warmed up (run eagerly) at least once
 
@@ -237,9 +233,9 @@ class CudaGraphs:
     def prepare(self, runner: Any, base: torch.nn.Module) -> bool:
         """Whether ``runner``'s layers can be graphed at all (a CUDA model without MoE or dropout; for 'auto', a
         layer small enough for its launches to matter)."""
+        self._runner = runner
         self._reset()
         self._count()
-        self._runner = runner
         if self.mode is False:
             return False
         layers = [layer.module for layer in runner.layers]
@@ -283,8 +279,8 @@ class CudaGraphs:
         runner = self._runner
         if runner is not None and runner.graphs is self:
             runner.detach()
-        self._reset()
         self._runner = None
+        self._reset()
 
     # ------------------------------------------------------------------------------------------------------- calls
     def _replayable(self, runner: Any, layer: Any, hidden_states: torch.Tensor, args: tuple, kwargs: dict
@@ -342,12 +338,12 @@ class CudaGraphs:
 
     def _eager_keeps_activations(self, x: torch.Tensor, kwargs: dict) -> bool:
         """Whether this forward's eager calls of graphed layers keep their activations: whether every graphed
-        layer's, at this call's tokens, fits beside the pools (``_memory_problem``). Decided at the forward's first
+        layer's, at this call's tokens, fits beside the pools (``GraphMemory.problem``). Decided at the forward's first
         such call, for all of them (its later layers' activations are not there yet to be counted)."""
         run = self._run(kwargs)
         if run is not None and run is self._eager_run:
             return self._eager_keeps
-        problem = self._memory_problem(x.device, x.shape[1], max(len(self._graphed), 1))
+        problem = self.memory.problem(x.device, x.shape[1], max(len(self._graphed), 1))
         if isinstance(run, PackedRun):
             self._eager_run, self._eager_keeps = run, problem is None
         if problem is not None:
@@ -411,12 +407,12 @@ class CudaGraphs:
             self._say("top", f"the first capture is of the {top}-token bucket, the longest micro-batch's, its rows "
                       "padded: the graphs' pools are sized once, and smaller buckets fit in them", logging.INFO)
             return replace(variant, bucket=top)
-        if self._layer_bytes is None or any(v == variant for _, v in self._graphs):
+        if self.memory.layer_bytes is None or any(v == variant for _, v in self._graphs):
             return variant
         eligible = [layer for layer in self._layers if self._runner.plans[layer.index].graphed
                     and self._runner.plans[layer.index].activations == KEPT]
         grads = sum(self._new_grads(layer.index, layer.module) for layer in eligible)
-        if self._memory_problem(x.device, variant.bucket, max(len(eligible), 1), taken=0, grads=grads) is None:
+        if self.memory.problem(x.device, variant.bucket, max(len(eligible), 1), taken=0, grads=grads) is None:
             return variant
         larger = sorted({v for (i, v), e in self._graphs.items() if isinstance(e, GraphedLayer)
                          and v.bucket > variant.bucket and doc_capacity(v.bucket) >= docs
@@ -456,7 +452,7 @@ class CudaGraphs:
                 self._capture_from(first, variant, x, kwargs)
         finally:
             if x.is_cuda:  # pools change only here: the budget reads this, not the allocator's snapshot, per call
-                self._pools_reserved = sum(self.pool_bytes().values())
+                self.memory.pools_reserved = sum(self.pool_bytes().values())
             self.capture_s += time.perf_counter() - started
 
     def _kept(self, index: int) -> bool:
@@ -496,14 +492,14 @@ class CudaGraphs:
                     why = HOOKED
                     self._say(f"hooks{i}", f"layer {i} runs eagerly: a module inside it has hooks (they would run "
                               "at the capture only)")
-                elif (keep or not recomputed) and (memory := self._memory_problem(
+                elif (keep or not recomputed) and (no_room := self.memory.problem(
                         x.device, bucket, taken=len(kept) if pooled else None, grads=made)
-                        if keep else self._memory_problem(
-                        x.device, bucket - self._recompute_tokens, stands_in=True)) is not None:
+                        if keep else self.memory.problem(
+                        x.device, bucket - self.memory.recompute_tokens, stands_in=True)) is not None:
                     # the recomputed layers' one pool holds one layer's activations at its largest bucket: what a
                     # larger bucket adds to it, checked once a call
-                    why = Eager(memory, Kind.LASTING)
-                    self._say(f"mem{bucket}", f"layer {i} and later run eagerly at {bucket} tokens: {memory}")
+                    why = Eager(no_room, Kind.LASTING)
+                    self._say(f"mem{bucket}", f"layer {i} and later run eagerly at {bucket} tokens: {no_room}")
                 if why is not None:
                     self._graphs[(i, variant)] = why
                     x_grad = True  # an eager layer's output: it needs grad when anything before it trains
@@ -528,8 +524,8 @@ class CudaGraphs:
                     warmed.add(shape)
                     self._warmed_layers.add(i)
                 if keep:
-                    need = self._need(bucket, taken=len(kept) if pooled else None)
-                    self._give_back_cache(x.device, None if need is None else need + made, pools=self._pools_reserved)
+                    need = self.memory.need(bucket, taken=len(kept) if pooled else None)
+                    self.memory.give_back_cache(x.device, None if need is None else need + made, pools=self.memory.pools_reserved)
                     graphs = GraphedLayer(layer, record.original, shared.grad_out, x_grad, static_kwargs,
                                           shared.grad_out, self.backend, pools[keep], label=label,
                                           grads_into=self._layer_grads(i, layer),
@@ -538,11 +534,11 @@ class CudaGraphs:
                     before = gpu_in_use(x.device)
                     graphs.capture_forward(warm=warm)
                     if x.is_cuda:  # what the forward's graph keeps, twice: the backward's graph comes on top
-                        self._measured(2 * (gpu_in_use(x.device) - before), bucket)
+                        self.memory.measured(2 * (gpu_in_use(x.device) - before), bucket)
                     kept.append(graphs)
                 else:
                     if not recomputed:
-                        self._give_back_cache(x.device, self._recompute_need(bucket - self._recompute_tokens))
+                        self.memory.give_back_cache(x.device, self.memory.recompute_need(bucket - self.memory.recompute_tokens))
                     graphs = RecomputedLayer(layer, record.original, self._shared_buffers(bucket, x, x_grad),
                                              static_kwargs, shared.grad_out, self.backend, pools[keep], label=label,
                                              grads_into=self._layer_grads(i, layer))
@@ -555,7 +551,7 @@ class CudaGraphs:
             for graphs in reversed(recomputed):  # each recompute's activations freed before the next one's
                 held = graphs.capture_recompute(lambda: gpu_in_use(x.device))
                 if x.is_cuda:
-                    self._measured(2 * held, bucket)
+                    self.memory.measured(2 * held, bucket)
         except Exception as err:  # noqa: BLE001 - an op that cannot be captured: the bucket stays eager
             why = UNREACHED if isinstance(err, UnreachedParameters) else CAPTURE_FAILED
             for i in attempted:
@@ -568,11 +564,10 @@ class CudaGraphs:
                       f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
             return
         if recomputed:
-            self._recompute_tokens = max(self._recompute_tokens, bucket)
+            self.memory.recompute_tokens = max(self.memory.recompute_tokens, bucket)
         if kept and pooled:
             self._pooled.add(variant)
-            self._kept_activations = max(self._kept_activations, len(kept) * (self._layer_cost(bucket) or 0))
-            self._kept_tokens = max(self._kept_tokens, bucket)
+            self.memory.pooled(len(kept), bucket)
         for i, graphs in captured:
             self._graphs[(i, variant)] = graphs
             if isinstance(graphs, GraphedLayer):
@@ -586,11 +581,6 @@ class CudaGraphs:
             self._say("on", f"decoder layers replay as CUDA graphs (buckets of up to {self.max_tokens} tokens)",
                       logging.INFO)
 
-    def _measured(self, kept: int, bucket: int) -> None:
-        """What one layer's graphs keep at ``bucket`` tokens: the largest per token seen sizes later captures."""
-        if self._layer_bytes is None or kept / bucket > self._layer_bytes / self._layer_bucket:
-            self._layer_bytes, self._layer_bucket = kept, bucket
-
     def _shared_buffers(self, bucket: int, x: torch.Tensor, x_grad: bool) -> Shared:
         """A bucket's static buffers: the recomputed layers' input, output and input gradient; the kept layers copy
         their output and input gradient into the same two (``Shared.outputs``: every replay's are cloned out before
@@ -600,34 +590,8 @@ class CudaGraphs:
             self._buffers[key] = Shared.make((1, bucket, x.shape[-1]), x.dtype, x.device, x_grad)
         return self._buffers[key]
 
-    def _memory_problem(self, device: torch.device, bucket: int, layers: int = 1, stands_in: bool = False,
-                        taken: Optional[int] = None, grads: int = 0) -> Optional[str]:
-        """Why ``layers`` more layers' graphs at ``bucket`` tokens do not fit now, or None (the run's budget decides:
-        ``Budget.graphs_room``; ``stands_in``: recompute graphs, one layer's activations at ``bucket`` tokens;
-        ``taken``: kept graphs in the run's kept pool, after ``taken`` layers of the same capture; ``grads``: the
-        parameter-gradient buffers they make, ``_new_grads``). Nothing to size by before the first layer's graphs
-        were measured, or the plan measured its layers."""
-        if self._runner is None or self._runner.budget is None:
-            return None
-        need = self._recompute_need(bucket) if stands_in else self._need(bucket, layers, taken)
-        need = None if need is None else need + (0 if stands_in else grads)
-        pools = None if stands_in else self._pools_reserved
-        return None if need is None else self._runner.budget.graphs_room(need, stands_in=stands_in, pools=pools)
-
-    def _need(self, bucket: int, layers: int = 1, taken: Optional[int] = None) -> Optional[int]:
-        """What ``layers`` more layers' kept graphs at ``bucket`` tokens take of their pool: all of it in a pool of
-        their own, or in the kept pool at a bucket larger than any captured there (the allocator cannot put a larger
-        tensor in smaller freed blocks); in the kept pool at a bucket it has held (after ``taken`` layers of their
-        capture), only what exceeds what the pool's earlier captures freed (their activations: their outputs and
-        input gradients are copied into buffers outside it, ``_shared_buffers``)."""
-        one = self._layer_cost(bucket)
-        if one is None or taken is None or bucket > self._kept_tokens:
-            return None if one is None else layers * one
-        beyond = lambda n: max(0, n * one - self._kept_activations)  # noqa: E731
-        return beyond(taken + layers) - beyond(taken)
-
     def _new_grads(self, index: int, layer: torch.nn.Module) -> int:
-        """What a capture of layer ``index`` makes for good beside what ``_need`` sizes: its parameter-gradient
+        """What a capture of layer ``index`` makes for good beside what ``GraphMemory.need`` sizes: its parameter-gradient
         buffers, at its first capture (``_layer_grads``; small with LoRA, a full fine-tune's are the layer's size)."""
         if index in self._grads:
             return 0
@@ -639,10 +603,6 @@ class CudaGraphs:
         if index not in self._grads:
             self._grads[index] = LayerGrads(torch.zeros_like(p) for p in trainable_parameters(layer))
         return self._grads[index]
-
-    def _layer_cost(self, bucket: int) -> Optional[int]:
-        """One kept layer's graphs at ``bucket`` tokens, as measured (the largest per token seen); None before."""
-        return None if self._layer_bytes is None else self._layer_bytes * bucket // self._layer_bucket
 
     def _static_input(self, index: int, bucket: int, x: torch.Tensor, x_grad: bool) -> torch.Tensor:
         """Kept layer ``index``'s static input at ``bucket`` tokens: a view of one buffer its graphs of every bucket
@@ -661,15 +621,6 @@ class CudaGraphs:
         buffer = self._inputs.get((index, x.dtype, x_grad))
         return 0 if buffer is not None and buffer.shape[1] >= bucket else max(bucket, self._top_bucket())
 
-    def _recompute_need(self, tokens: int) -> Optional[int]:
-        """One layer's activations at ``tokens``: the plan's measured cost of keeping a layer (at its longest
-        micro-batch), else what the graphs measured."""
-        runner = self._runner
-        sized = [c.kept for c in getattr(runner, "costs", ()) if c.kept < UNSIZED]
-        if sized and getattr(runner, "max_tokens", 0):
-            return max(0, max(sized) * tokens // runner.max_tokens)
-        return self._need(tokens)
-
     def recompute_reserve(self, runner: Any) -> int:
         """Bytes the checkpointed layers' graphs will still hold for good, for the plan to leave free (their pool
         is not the step's to spend): one layer's activations at the largest bucket the run's micro-batches reach,
@@ -682,7 +633,7 @@ class CudaGraphs:
         if not self.checkpointed or self._runner is not runner or not sized or not layers or not runner.max_tokens:
             return 0
         top = self._top_bucket()
-        activations = max(c.kept for c in sized) * max(0, top - self._recompute_tokens) // runner.max_tokens
+        activations = max(c.kept for c in sized) * max(0, top - self.memory.recompute_tokens) // runner.max_tokens
         grads = sum(self._new_grads(layer.index, layer.module) for layer in layers)
         made = {key[0] for key in self._buffers}
         per_token = max(c.input for c in sized) / runner.max_tokens
@@ -696,13 +647,3 @@ class CudaGraphs:
         if not tokens:
             return 0
         return bucket_for(tokens, self.max_tokens) or max((b for b in BUCKETS if b <= self.max_tokens), default=0)
-
-    def _give_back_cache(self, device: torch.device, need: Optional[int], pools: Optional[int] = None) -> None:
-        """Before graphs of ``need`` bytes that fit only without the allocator's cached blocks: give those back.
-        Recompute graphs (``pools`` None): their pool stands in for what the eager recompute took from them. Kept
-        graphs beside pools that reserve ``pools``: the budget let them count on the cache, which their capture
-        cannot take from (``Budget.cache_in_the_way``)."""
-        budget = self._runner.budget if self._runner is not None else None
-        if device.type == "cuda" and budget is not None and need is not None and \
-                budget.cache_in_the_way(need, pools=pools):
-            torch.cuda.empty_cache()

@@ -216,10 +216,11 @@ def test_near_the_limit_a_row_replays_a_larger_bucket_and_an_eager_call_recomput
     and a row above ``max_tokens``, with no room for its activations beside the pools, runs the graphed layers
     checkpointed; losses and gradients as the eager layers'."""
     from nbkit.speedups.cuda_graphs import CudaGraphs
+    from nbkit.speedups.graph_memory import GraphMemory
 
     model = _lora_model()
     rows = [[400, 600], [100, 200], [3000, 1000], [400, 600]]  # buckets 1024, 384 (refused), above 2048, 1024
-    monkeypatch.setattr(CudaGraphs, "_memory_problem", lambda self, device, bucket, layers=1, **kw:
+    monkeypatch.setattr(GraphMemory, "problem", lambda self, device, bucket, layers=1, **kw:
                         "no memory" if (bucket < 1024 and layers > 1) or bucket > 2048 else None)
     eager = _rows_trained(model, rows, None, seed_of=lambda i: i)
     graphs = CudaGraphs(mode=True, max_tokens=2048)
