@@ -584,11 +584,12 @@ def test_a_kept_capture_that_counts_on_the_cache_gives_it_back_first(monkeypatch
     runner = LayerRunner()
     runner.budget = Budget(cuda, readings=lambda device: (32 * gib, 25 * gib, 20 * gib))
     memory = GraphMemory(runner)
-    memory.give_back_cache(cuda, 1 * gib, pools=2 * gib)  # 32 - 22 - 1 >= 5 with the cache given back, not beside it
+    memory.pools_reserved = 2 * gib
+    memory.give_back_cache(cuda, 1 * gib)  # 32 - 22 - 1 >= 5 with the cache given back, not beside it
     assert emptied == [1]
-    memory.give_back_cache(cuda, 6 * gib, pools=2 * gib)  # fits neither way: the capture is refused, not helped
-    memory.give_back_cache(cuda, None, pools=2 * gib)  # nothing measured yet
-    memory.give_back_cache(torch.device("cpu"), 1 * gib, pools=2 * gib)
+    memory.give_back_cache(cuda, 6 * gib)  # fits neither way: the capture is refused, not helped
+    memory.give_back_cache(cuda, None)  # nothing measured yet
+    memory.give_back_cache(torch.device("cpu"), 1 * gib)
     assert emptied == [1]
 
 

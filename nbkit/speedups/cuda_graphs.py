@@ -525,7 +525,7 @@ class CudaGraphs:
                     self._warmed_layers.add(i)
                 if keep:
                     need = self.memory.need(bucket, taken=len(kept) if pooled else None)
-                    self.memory.give_back_cache(x.device, None if need is None else need + made, pools=self.memory.pools_reserved)
+                    self.memory.give_back_cache(x.device, None if need is None else need + made)
                     graphs = GraphedLayer(layer, record.original, shared.grad_out, x_grad, static_kwargs,
                                           shared.grad_out, self.backend, pools[keep], label=label,
                                           grads_into=self._layer_grads(i, layer),
@@ -538,7 +538,8 @@ class CudaGraphs:
                     kept.append(graphs)
                 else:
                     if not recomputed:
-                        self.memory.give_back_cache(x.device, self.memory.recompute_need(bucket - self.memory.recompute_tokens))
+                        self.memory.give_back_cache(
+                            x.device, self.memory.recompute_need(bucket - self.memory.recompute_tokens), stands_in=True)
                     graphs = RecomputedLayer(layer, record.original, self._shared_buffers(bucket, x, x_grad),
                                              static_kwargs, shared.grad_out, self.backend, pools[keep], label=label,
                                              grads_into=self._layer_grads(i, layer))

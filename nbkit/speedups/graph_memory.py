@@ -37,6 +37,11 @@ class GraphMemory:
         self.pools_reserved = 0
         self.recompute_tokens = 0
 
+    @property
+    def budget(self) -> Any:
+        """The run's budget (``layer_budget.Budget``), or None: nothing is refused."""
+        return self.runner.budget if self.runner is not None else None
+
     def measured(self, kept: int, bucket: int) -> None:
         """What one layer's graphs keep at ``bucket`` tokens: the largest per token seen sizes later captures."""
         if self.layer_bytes is None or kept / bucket > self.layer_bytes / self.layer_bucket:
@@ -79,20 +84,19 @@ class GraphMemory:
         ``taken``: kept graphs in the run's kept pool, after ``taken`` layers of the same capture; ``grads``: the
         parameter-gradient buffers they make). Nothing to size by before the first layer's graphs were measured, or
         the plan measured its layers."""
-        budget = self.runner.budget if self.runner is not None else None
-        if budget is None:
+        if self.budget is None:
             return None
         need = self.recompute_need(bucket) if stands_in else self.need(bucket, layers, taken)
         need = None if need is None else need + (0 if stands_in else grads)
         pools = None if stands_in else self.pools_reserved
-        return None if need is None else budget.graphs_room(need, stands_in=stands_in, pools=pools)
+        return None if need is None else self.budget.graphs_room(need, stands_in=stands_in, pools=pools)
 
-    def give_back_cache(self, device: torch.device, need: Optional[int], pools: Optional[int] = None) -> None:
+    def give_back_cache(self, device: torch.device, need: Optional[int], stands_in: bool = False) -> None:
         """Before graphs of ``need`` bytes that fit only without the allocator's cached blocks: give those back.
-        Recompute graphs (``pools`` None): their pool stands in for what the eager recompute took from them. Kept
-        graphs beside pools that reserve ``pools``: the budget let them count on the cache, which their capture
+        Recompute graphs (``stands_in``): their pool stands in for what the eager recompute took from them. Kept
+        graphs beside the pools (``pools_reserved``): the budget let them count on the cache, which their capture
         cannot take from (``Budget.cache_in_the_way``)."""
-        budget = self.runner.budget if self.runner is not None else None
-        if device.type == "cuda" and budget is not None and need is not None and \
-                budget.cache_in_the_way(need, pools=pools):
+        pools = None if stands_in else self.pools_reserved
+        if device.type == "cuda" and self.budget is not None and need is not None and \
+                self.budget.cache_in_the_way(need, pools=pools):
             torch.cuda.empty_cache()
