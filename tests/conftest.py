@@ -32,3 +32,14 @@ def no_env_mode(monkeypatch):
     from nbkit.dashboard.mode import ENV_MODE
 
     monkeypatch.delenv(ENV_MODE, raising=False)
+
+
+@pytest.fixture
+def no_demo_base_above(tmp_path):
+    """Fails at once, naming the folder, when a ``nbkit-demo-out/base`` model sits in a folder above ``tmp_path``
+    (a demo run from ``/tmp``): ``resolve_base`` searches every folder above an adapter, as documented, so a test
+    that expects the demo's relative base to be missing would find that one instead."""
+    for root in tmp_path.parents:
+        if (root / "nbkit-demo-out" / "base" / "config.json").is_file():
+            pytest.fail(f"{root / 'nbkit-demo-out'} is left from a demo run: the export tests' relative base "
+                        "'nbkit-demo-out/base' resolves to it; remove it")

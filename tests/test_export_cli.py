@@ -91,8 +91,8 @@ def test_an_adapter_naming_its_base_relatively_exports_from_another_folder(demo_
     assert json.loads(gguf_file.with_suffix(".export.json").read_text())["check"]["ok"]
 
 
-def test_a_missing_relative_base_fails_fast_naming_it_where_it_looked_and_base(demo_out, tmp_path, monkeypatch,
-                                                                               capsys):
+def test_a_missing_relative_base_fails_fast_naming_it_where_it_looked_and_base(no_demo_base_above, demo_out, tmp_path,
+                                                                               monkeypatch, capsys):
     adapter = demo_run_elsewhere(demo_out, tmp_path / "project")
     shutil.rmtree(tmp_path / "project" / "nbkit-demo-out" / "base")
     monkeypatch.chdir(tmp_path)

@@ -58,7 +58,7 @@ def test_offline_a_hub_id_the_cache_holds_goes_on_unchanged(tmp_path, monkeypatc
     assert resolve_base("Qwen/Qwen3-14B", tmp_path) == "Qwen/Qwen3-14B"
 
 
-def test_an_unreachable_hub_fails_fast_naming_the_base_the_places_and_base(tmp_path, monkeypatch):
+def test_an_unreachable_hub_fails_fast_naming_the_base_the_places_and_base(no_demo_base_above, tmp_path, monkeypatch):
     adapter = adapter_folder(tmp_path / "run" / "adapter", "nbkit-demo-out/base")
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
