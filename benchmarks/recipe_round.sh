@@ -22,7 +22,8 @@
 #   MODEL_DIR    the random model's folder (default /tmp/nbkit-recipe-<shape>), reused when it holds one
 #   WARM_CACHES  1: the processes share torch.compile's, Triton's and Unsloth's compile caches (default: empty ones
 #                for each process)
-#   NBKIT_GIT_COMMIT  the commit the copy was made from (a copy without .git records "unknown")
+#   NBKIT_GIT_COMMIT  the full hash of the commit the copy was made from (a copy without .git records "unknown"); a
+#                short one is refused before anything runs: the results files record it
 #   NBKIT_SOURCE a folder whose nbkit/ is imported instead of the repo's (another commit's, unpacked with
 #                `git archive <commit> nbkit | tar -x -C <folder>`), to time it beside this one on the same machine
 #                (python -P: the working folder, the repo, is not put before PYTHONPATH)
@@ -42,6 +43,10 @@ TOKENS=${TOKENS:-2048}
 MODEL_DIR=${MODEL_DIR:-/tmp/nbkit-recipe-$SHAPE}
 WARM_CACHES=${WARM_CACHES:-0}
 : "${OUT:?set OUT: the folder the results go to}"
+if [ -n "${NBKIT_GIT_COMMIT:-}" ] && ! [[ $NBKIT_GIT_COMMIT =~ ^[0-9a-f]{40}(-dirty)?$ ]]; then
+    echo "NBKIT_GIT_COMMIT=$NBKIT_GIT_COMMIT: give the full 40-digit hash (git rev-parse HEAD); the results files need it" >&2
+    exit 2
+fi
 
 ROOT=$PWD
 WORK=$(mktemp -d /tmp/nbkit-recipe-round-XXXXXX) || exit 1
