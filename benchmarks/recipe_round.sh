@@ -43,7 +43,7 @@ TOKENS=${TOKENS:-2048}
 MODEL_DIR=${MODEL_DIR:-/tmp/nbkit-recipe-$SHAPE}
 WARM_CACHES=${WARM_CACHES:-0}
 : "${OUT:?set OUT: the folder the results go to}"
-if [ -n "${NBKIT_GIT_COMMIT:-}" ] && ! [[ $NBKIT_GIT_COMMIT =~ ^[0-9a-f]{40}(-dirty)?$ ]]; then
+if [ -n "${NBKIT_GIT_COMMIT:-}" ] && ! [[ $NBKIT_GIT_COMMIT =~ ^[0-9a-f]{40}$ ]]; then
     echo "NBKIT_GIT_COMMIT=$NBKIT_GIT_COMMIT: give the full 40-digit hash (git rev-parse HEAD); the results files need it" >&2
     exit 2
 fi
