@@ -24,6 +24,8 @@
 #                for each process)
 #   NBKIT_GIT_COMMIT  the full hash of the commit the copy was made from (a copy without .git records "unknown"); a
 #                short one is refused before anything runs: the results files record it
+#   MEMORY_LOG   1: the sft and fastsft processes run with e2e's --memory-log (nbkit's decisions and the figures
+#                they came from, each capture's reserved memory, GPU memory after every optimizer step) in their logs
 #   NBKIT_SOURCE a folder whose nbkit/ is imported instead of the repo's (another commit's, unpacked with
 #                `git archive <commit> nbkit | tar -x -C <folder>`), to time it beside this one on the same machine
 #                (python -P: the working folder, the repo, is not put before PYTHONPATH)
@@ -42,6 +44,7 @@ LIMIT=${LIMIT:-900}
 TOKENS=${TOKENS:-2048}
 MODEL_DIR=${MODEL_DIR:-/tmp/nbkit-recipe-$SHAPE}
 WARM_CACHES=${WARM_CACHES:-0}
+MEMORY_LOG=${MEMORY_LOG:-0}
 : "${OUT:?set OUT: the folder the results go to}"
 if [ -n "${NBKIT_GIT_COMMIT:-}" ] && ! [[ $NBKIT_GIT_COMMIT =~ ^[0-9a-f]{40}$ ]]; then
     echo "NBKIT_GIT_COMMIT=$NBKIT_GIT_COMMIT: give the full 40-digit hash (git rev-parse HEAD); the results files need it" >&2
@@ -49,7 +52,7 @@ if [ -n "${NBKIT_GIT_COMMIT:-}" ] && ! [[ $NBKIT_GIT_COMMIT =~ ^[0-9a-f]{40}$ ]]
 fi
 
 ROOT=$PWD
-WORK=$(mktemp -d /tmp/nbkit-recipe-round-XXXXXX) || exit 1
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/nbkit-recipe-round-XXXXXX") || exit 1
 mkdir -p "$OUT" "$WORK/json" "$WORK/logs" || exit 1
 SUMMARY=$OUT/recipe_round_$SHAPE.log
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
@@ -111,12 +114,15 @@ for mode in "${modes[@]}"; do
         mkdir -p "$caches"
         common=(--shape "$SHAPE" --recipe unsloth ${precision[@]+"${precision[@]}"} --tokens "$tokens"
                 --steps "$STEPS" --model-dir "$MODEL_DIR")
+        logged=()
+        [ "$MEMORY_LOG" = 1 ] && logged=(--memory-log)
         t1=$SECONDS
         case $path in
             sft | fastsft | fastsft\[*\])
                 env OUT="$WORK/json" PYTHONPATH="$NBKIT_PATH" TORCHINDUCTOR_CACHE_DIR="$caches/inductor" \
                     TRITON_CACHE_DIR="$caches/triton" \
-                    timeout -k 30 "$LIMIT" python3 -P -m benchmarks.e2e "${common[@]}" --paths "$path" >"$log" 2>&1
+                    timeout -k 30 "$LIMIT" python3 -P -m benchmarks.e2e "${common[@]}" ${logged[@]+"${logged[@]}"} \
+                    --paths "$path" >"$log" 2>&1
                 rc=$?
                 ;;
             unsloth)

@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def round_with(commit: str, out: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OUT": str(out), "NBKIT_GIT_COMMIT": commit, "MODES": "bf16", "PATHS": "fastsft"}
+    env = {**os.environ, "OUT": str(out), "NBKIT_GIT_COMMIT": commit, "MODES": "bf16", "PATHS": "fastsft",
+           "TMPDIR": str(out.parent)}
     return subprocess.run(["bash", "benchmarks/recipe_round.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=60)
 
@@ -22,3 +23,34 @@ def test_a_short_commit_hash_is_refused_before_anything_runs(tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     assert "full 40-digit hash" in done.stderr
     assert not out.exists()  # no summary, no results: nothing ran
+
+
+def fake_tools(bin_dir: Path, calls: Path) -> None:
+    """``python3`` and ``nvidia-smi`` that only record their arguments: the round's plumbing without a GPU."""
+    bin_dir.mkdir()
+    for name in ("python3", "nvidia-smi"):
+        tool = bin_dir / name
+        tool.write_text(f'#!/usr/bin/env bash\necho "{name} $*" >> "{calls}"\n')
+        tool.chmod(0o755)
+
+
+def e2e_calls(tmp_path: Path, memory_log: str) -> list[str]:
+    calls, model = tmp_path / f"calls{memory_log}", tmp_path / "model"
+    fake_tools(tmp_path / f"bin{memory_log}", calls)
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")  # the model is reused: nothing is saved
+    env = {**os.environ, "OUT": str(tmp_path / f"out{memory_log}"), "PATH": f"{tmp_path / f'bin{memory_log}'}:"
+           f"{os.environ['PATH']}", "MODES": "fp16@15", "PATHS": "sft,fastsft", "MODEL_DIR": str(model),
+           "MEMORY_LOG": memory_log, "TMPDIR": str(tmp_path)}
+    env.pop("NBKIT_GIT_COMMIT", None)
+    done = subprocess.run(["bash", "benchmarks/recipe_round.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return [line for line in calls.read_text().splitlines() if "-m benchmarks.e2e" in line]
+
+
+def test_memory_log_reaches_every_nbkit_process_and_only_when_asked(tmp_path):
+    logged, plain = e2e_calls(tmp_path, "1"), e2e_calls(tmp_path, "0")
+    assert len(logged) == len(plain) == 2  # sft, then fastsft
+    assert all("--memory-log" in line and "--fp16 --tokens 2048@15" in line for line in logged)
+    assert not any("--memory-log" in line for line in plain)
