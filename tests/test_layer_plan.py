@@ -241,6 +241,23 @@ def test_with_the_pools_known_the_allocators_cache_is_not_counted_twice(monkeypa
     assert not budget.cache_in_the_way(LIMIT // 4 + 1, pools=LIMIT // 4)  # does not fit either way
 
 
+def test_the_second_look_scales_the_step_s_own_peak_not_a_capture_s(monkeypatch):
+    """The second look scales the plan's peak above what is held to the longest micro-batch. A peak a graph capture
+    set is its pool's activations at the largest bucket, reserved for good: it counts as it is, unscaled, and only
+    the step's own peak is scaled; once the step's own peak rises above the capture's, it is scaled again."""
+    gib = 2**30
+    state = {"peak": 4 * gib}
+    monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: 11 * gib)  # 3 held by tensors, 8 by the pool
+    budget = Budget(CPU, lambda device: (15 * gib, state["peak"], 3 * gib))
+    room = 15 * gib * (1 - MARGIN)
+    assert budget.second_look(1.5).spend == int(SHARE * (room - 11 * gib))  # reserved: more than 3 + 1.5 x 1
+    with budget.capturing():
+        state["peak"] = 11 * gib
+    assert budget.second_look(1.5).spend == int(SHARE * (room - 11 * gib))  # not 3 + 1.5 x 8 = 15: nothing
+    state["peak"] = 12 * gib  # the step's own, above the capture's
+    assert budget.second_look(1.1).spend == int(SHARE * (room - 3 * gib - int(1.1 * 9 * gib)))
+
+
 def test_a_peak_a_capture_set_is_its_pools_not_the_step_s(monkeypatch):
     """A graph capture allocates its pool's activations, and the device's peak rises with them; the pool stays
     reserved and counts there. The step's headroom is its own peak above what it holds: the peak read outside the

@@ -16,7 +16,8 @@ every method says so (None), except where a test hands in its own ``readings``.
   step 1 could not show (a longer row, the optimizer's first step).
 - ``second_look(scale)``: after the first optimizer step the plan ran, the same from the peak the plan made, its part
   above what is held between micro-batches scaled to the longest micro-batch (``scale``), the allocator's reserved
-  memory counted where it is more (graph pools keep theirs reserved).
+  memory counted where it is more (graph pools keep theirs reserved). Only the step's own peak (``step_peak``) is
+  scaled: a peak a capture set is its pool's, captured at the largest bucket already, and counts as it is.
 - ``graphs_room(need)``: whether ``need`` more bytes of graph pools fit now; the pools' memory is reserved for good, so
   the room is the limit less what is reserved, and the step's own peak above the present must stay free. The step's
   own: a peak set while a graph was captured (``capturing()``) is that capture's allocations in its pool, which stay
@@ -97,8 +98,8 @@ class Budget:
         if readings is None:
             return None
         limit, peak, allocated = readings
-        projected = allocated + int(max(0, peak - allocated) * max(1.0, scale))
-        used = max(projected, gpu_reserved(self.device))
+        projected = allocated + int(max(0, self.step_peak(peak) - allocated) * max(1.0, scale))
+        used = max(projected, peak, gpu_reserved(self.device))
         spend = max(0, int(SHARE * (limit * (1 - MARGIN) - used)))
         return Look(spend, f"{fmt_bytes(spend)} to spend: {SHARE:.0%} of the {fmt_bytes(limit)} limit less "
                            f"{MARGIN:.0%} and the {fmt_bytes(used)} the plan's peak comes to at the longest "
