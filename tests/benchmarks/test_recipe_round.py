@@ -1,5 +1,6 @@
-"""``benchmarks/recipe_round.sh`` refuses a short commit hash before it spends any GPU time: the results files it
-writes must name the full commit (``tests/test_benchmark_results.py`` checks them)."""
+"""``benchmarks/recipe_round.sh``'s plumbing, without a GPU: it refuses a short commit hash before it spends any GPU
+time (the results files must name the full commit: ``tests/test_benchmark_results.py`` checks them), and
+``MEMORY_LOG=1`` reaches the nbkit processes' command lines."""
 
 from __future__ import annotations
 
