@@ -29,9 +29,10 @@ def _fused_pattern_warning(attribute: str, fused: str) -> str:
     return re.escape(text) + r"\Z"
 
 
-# PEFT (0.21) maps LoRA on transformers 4's separate expert projections onto transformers 5's fused expert weights
+# PEFT maps LoRA on transformers 4's separate expert projections onto transformers 5's fused expert weights
 # (Mixtral's w1/w3, Qwen-MoE's gate/up -> gate_up_proj: a parameter target, with rank and alpha doubled by a
-# pattern), then warns that the pattern matched no *module*: it applies to the parameter all the same.
+# pattern). PEFT 0.21 then warns that the pattern matched no *module*: it applies to the parameter all the same.
+# PEFT 0.22 matches pattern keys against parameters too and no longer warns.
 PEFT_FUSED_EXPERT_PATTERNS = [_fused_pattern_warning(attribute, "gate_up_proj")
                               for attribute in ("rank_pattern", "alpha_pattern")]
 
@@ -63,11 +64,13 @@ def quiet_peft_wrap() -> Iterator[None]:
     """A block in which PEFT wraps a model (``get_peft_model``, ``PeftModel.from_pretrained``) without two warnings
     about PEFT's own workings, which the caller can neither act on nor change.
 
-    - transformers' FutureWarning about ``is_gradient_checkpointing``: PEFT (0.21) reads it of every model it wraps, a
-      property transformers 5.2x deprecated for ``is_activation_checkpointing``.
+    - transformers' FutureWarning about ``is_gradient_checkpointing``: PEFT 0.21 reads it of every model it wraps, a
+      property transformers 5.2x deprecated for ``is_activation_checkpointing`` (PEFT 0.22 reads the new name).
     - PEFT's RuntimeWarning that the rank_pattern / alpha_pattern key its MoE conversion writes for a fused expert
-      weight (``PEFT_FUSED_EXPERT_PATTERNS``) matched no targeted module: the key is matched against modules only,
-      while it applies to the fused weight, a parameter target (that weight's LoRA gets the doubled rank).
+      weight (``PEFT_FUSED_EXPERT_PATTERNS``) matched no targeted module: PEFT 0.21 matches the key against modules
+      only, while it applies to the fused weight, a parameter target (that weight's LoRA gets the doubled rank).
+
+    On PEFT 0.22 neither warning is raised, and the block changes nothing.
 
     Contract: only those messages (a user's own unmatched pattern key still warns), only inside the block (the
     filters are restored on exit, so the same warnings anywhere else still show); every other warning passes.
