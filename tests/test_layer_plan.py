@@ -212,6 +212,17 @@ def test_the_second_look_scales_the_peak_above_what_is_held_and_counts_reserved(
     assert budget.second_look(1.0).spend == int(SHARE * (LIMIT * (1 - MARGIN) - LIMIT * 0.8))
 
 
+def test_the_second_look_says_which_figure_its_peak_came_from(monkeypatch):
+    """The plan's line names the three figures the second look takes the most of, so a log tells which one set the
+    spend: the step's own peak scaled, the device's peak, or reserved memory."""
+    gib = 1 << 30
+    monkeypatch.setattr(layer_budget, "gpu_reserved", lambda device: 9 * gib)
+    why = fake([(16 * gib, 8 * gib, 4 * gib)]).second_look(1.5).why
+    assert "the 10.00 GiB the plan's peak comes to" in why  # 4 + 1.5 * (8 - 4)
+    assert "own 8.00 GiB peak scaled x1.50 above the 4.00 GiB held (10.00 GiB)" in why
+    assert "device's 8.00 GiB peak, 9.00 GiB reserved" in why
+
+
 def test_graph_pools_keep_the_step_s_headroom(monkeypatch):
     budget = fake([(LIMIT, LIMIT // 2, LIMIT // 4)])
     assert budget.graphs_room(LIMIT // 8) is None

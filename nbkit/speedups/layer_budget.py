@@ -98,12 +98,15 @@ class Budget:
         if readings is None:
             return None
         limit, peak, allocated = readings
-        projected = allocated + int(max(0, self.step_peak(peak) - allocated) * max(1.0, scale))
-        used = max(projected, peak, gpu_reserved(self.device))
+        own, reserved = self.step_peak(peak), gpu_reserved(self.device)
+        projected = allocated + int(max(0, own - allocated) * max(1.0, scale))
+        used = max(projected, peak, reserved)
         spend = max(0, int(SHARE * (limit * (1 - MARGIN) - used)))
         return Look(spend, f"{fmt_bytes(spend)} to spend: {SHARE:.0%} of the {fmt_bytes(limit)} limit less "
                            f"{MARGIN:.0%} and the {fmt_bytes(used)} the plan's peak comes to at the longest "
-                           "micro-batch, reserved memory counted where it is more")
+                           f"micro-batch, the most of: the step's own {fmt_bytes(own)} peak scaled x{max(1.0, scale):.2f} "
+                           f"above the {fmt_bytes(allocated)} held ({fmt_bytes(projected)}), the device's "
+                           f"{fmt_bytes(peak)} peak, {fmt_bytes(reserved)} reserved")
 
     @contextmanager
     def capturing(self) -> Iterator[None]:
