@@ -40,12 +40,19 @@ and later ones inherit what it left (BENCHMARKS.md, run 20: the 14B 4K row's slo
 optional dependency), and prints where the host's time per step goes: by package (nbkit's modules one by one), the
 host's waits for the GPU (the step timer's synchronize among them: the share of the step the GPU was the bottleneck),
 and the top functions.
+``--first-steps-profile`` samples each path's first ``--warmup`` steps the same way, each step on its own, and
+``train()``'s start before them: where a fresh process's first steps go (kernels compiled, the plan measured, graphs
+captured). Those rows are marked ``(first steps host-profiled)``: the sampler adds a few percent to their steps.
+Run it in a process of its own (``--each-path-alone``, or ``benchmarks/recipe_round.sh``'s ``FIRST_STEPS=1``), so
+nothing was compiled before.
 
 Prediction for the 1.7B / 16K workload, FastSFT vs plain ``sft``: see BENCHMARKS.md (written before the run).
 
     python -m benchmarks.e2e --shape 1.7b --tokens 16384 --paths sft,fastsft
     python -m benchmarks.e2e --shape 1.7b --profile fastsft
     python -m benchmarks.e2e --shape 1.7b --tokens 2048 --steps 10 --host-profile fastsft
+    python -m benchmarks.e2e --shape 1.7b --recipe unsloth --fp16 --tokens 2048@15 --steps 5 --paths fastsft \
+        --first-steps-profile
     python -m benchmarks.e2e --shape 1.7b --recipe notebook --tokens 2048 --steps 10
     python -m benchmarks.e2e --shape 1.7b --recipe unsloth --fp16 --tokens 2048@15 --paths fastsft --model-dir /tmp/m
     python -m benchmarks.e2e --tiny          # CPU smoke run (bf16 LoRA, no quantization)
@@ -81,6 +88,7 @@ from .common import (
     write_results,
 )
 from .profiling import (
+    FirstStepsSampled,
     HostProfiled,
     Profiled,
     gap_host_tables,
@@ -239,7 +247,10 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
     if gap_host:
         prof = Profiled(start=args.warmup, count=2, host=True, stack=True)
     sampler = HostProfiled(start=args.warmup, count=args.steps) if host else None
-    callbacks = [timer] + ([prof.callback] if prof else []) + ([sampler.callback] if sampler else [])
+    first = FirstStepsSampled(args.warmup) if getattr(args, "first_steps_profile", False) and not (
+        profile or host or gaps or gap_host) else None
+    callbacks = [timer] + ([prof.callback] if prof else []) + ([sampler.callback] if sampler else []) \
+        + ([first.callback] if first else [])
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -294,6 +305,9 @@ def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Name
         shutil.rmtree(os.path.dirname(trace), ignore_errors=True)
     if sampler is not None and sampler.session is not None:
         text, row["host_ms_per_step"] = host_tables(sampler.session, sampler.count, row.get("step_ms"))
+    if first is not None:
+        text = row["first_steps_host"] = first.tables(timer.times.step_ms)
+        row["path"] = f"{spec} (first steps host-profiled)"
     if profile and prof.prof is not None and os.environ.get("OUT"):
         with contextlib.suppress(Exception):
             prof.prof.export_chrome_trace(os.path.join(os.environ["OUT"], f"trace_{name}.json"))
@@ -337,6 +351,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--paths", default="sft,fastsft")
     parser.add_argument("--profile", default=None, help="profile this path (one of --paths, or an extra one)")
     parser.add_argument("--host-profile", default=None, help="run this path once more with its host side sampled")
+    parser.add_argument("--first-steps-profile", action="store_true",
+                        help="sample the host over each path's first --warmup steps, each on its own (pyinstrument)")
     parser.add_argument("--gaps", default=None, help="run this path once more with the GPU alone profiled: its idle time")
     parser.add_argument("--gap-host", default=None,
                         help="run this path once more, host and Python stacks recorded: what the host ran in each GPU gap")
@@ -404,15 +420,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if text:
                     kind = {"host": "host profile", "gaps": "GPU idle", "gap_host": "host in GPU gaps"}.get(extra,
                                                                                                           "profile")
+                    kind = "host in the first steps" if "first_steps_host" in row else kind
                     print(f"\n### {kind} of {spec} ({shape}, {tokens} tokens)\n\n{text}\n", flush=True)
-                    row[{"host": "host_profile", "gaps": "gpu_gaps", "gap_host": "gap_host"}.get(extra, "profile")] = text
+                    if "first_steps_host" not in row:
+                        row[{"host": "host_profile", "gaps": "gpu_gaps", "gap_host": "gap_host"}.get(extra,
+                                                                                                   "profile")] = text
                 if extra:
                     row["path"] = f"{spec} ({'host-profiled' if extra in ('host', 'gap_host') else 'GPU-profiled'})"
             except Exception as exc:
                 row = failed_row(spec, exc, **getattr(exc, "nbkit_stats", {}))
             run_rows.append(dict(row, shape=shape, tokens=tokens, weights=weights, load_s=load_s, recipe=args.recipe,
                                  cap_gib=cap_gib, compute=compute_of(args)))
-            print({k: v for k, v in run_rows[-1].items() if not isinstance(v, list) and k != "profile"}, flush=True)
+            print({k: v for k, v in run_rows[-1].items() if not isinstance(v, list) and k not in ("profile", "first_steps_host")},
+                  flush=True)
         rows += run_rows
         table = row_table(run_rows, args.recipe, paths)
         what = f"{tokens} tokens/step" if args.recipe == "packed" else f"{args.recipe} recipe, rows <= {tokens} tokens"

@@ -171,6 +171,56 @@ class HostProfiled:
         self.callback = _CB()
 
 
+class FirstStepsSampled:
+    """Samples the host over each of a run's first ``count`` optimizer steps on its own with pyinstrument, and over
+    ``train()``'s start before them: one session each, in order. Why not one average: a fresh process's first steps
+    each pay for something later ones do not (kernels compiled, the layer plan measured, graphs captured for a new
+    row length), and an average over them would hide which step paid for what. Optional dependency, as
+    ``HostProfiled``."""
+
+    def __init__(self, count: int, interval: float = 0.001) -> None:
+        from pyinstrument import Profiler
+        from transformers import TrainerCallback
+
+        self.count, self.sessions = count, []  # [(what, session)]
+        outer = self
+        running: list = []
+
+        def begin(what: str) -> None:
+            running.append((what, Profiler(interval=interval)))
+            running[-1][1].start()
+
+        def end() -> None:
+            if running:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                what, profiler = running.pop()
+                outer.sessions.append((what, profiler.stop()))
+
+        class _CB(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kw):
+                begin("train() before step 1")
+
+            def on_step_begin(self, args, state, control, **kw):
+                end()  # train()'s start, before step 1
+                if state.global_step < outer.count:
+                    begin(f"step {state.global_step + 1}")
+
+            def on_step_end(self, args, state, control, **kw):
+                end()
+
+        self.callback = _CB()
+
+    def tables(self, step_ms: list[float], top: int = 12) -> str:
+        """Each session's ``host_tables``, headed by what it sampled; ``step_ms``: the steps' wall times in order."""
+        parts = []
+        for what, session in self.sessions:
+            index = int(what.split()[-1]) - 1 if what.startswith("step ") else None
+            wall = step_ms[index] if index is not None and index < len(step_ms) else None
+            parts.append(f"#### {what}\n\n" + host_tables(session, 1, wall, top=top)[0])
+        return "\n\n".join(parts)
+
+
 # the host waiting for the GPU: calls that block until queued kernels finish
 SYNC_CALLS = {"item", "tolist", "_local_scalar_dense", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__",
               "_cuda_synchronize", "synchronize"}
@@ -191,7 +241,8 @@ def host_owner(file_path: str) -> str:
         return "python"
     pkg, rest = m.group(1), m.group(2)
     if pkg == "torch":
-        for prefix, name in (("optim/", "torch.optim"), ("autograd/", "torch.autograd"),
+        for prefix, name in (("optim/", "torch.optim"), ("autograd/", "torch.autograd"), ("_dynamo/", "torch.compile"),
+                             ("_inductor/", "torch.compile"),
                              ("utils/checkpoint", "torch checkpoint"), ("nn/", "torch.nn"), ("cuda/", "torch.cuda"),
                              ("utils/data", "torch data loading"), ("amp/", "torch.amp")):
             if rest.startswith(prefix):
@@ -200,7 +251,7 @@ def host_owner(file_path: str) -> str:
     return pkg.split(".")[0]
 
 
-def host_tables(session: Any, steps: int, step_ms: float | None = None) -> tuple[str, dict[str, float]]:
+def host_tables(session: Any, steps: int, step_ms: float | None = None, top: int = 30) -> tuple[str, dict[str, float]]:
     """Host time per step by owner, the host's waits for the GPU, and the top functions by self time.
 
     Each sample's time goes to the innermost Python frame's owner (a C call's time to the Python code that made
@@ -234,7 +285,7 @@ def host_tables(session: Any, steps: int, step_ms: float | None = None) -> tuple
              "", "| owner | ms/step | share of the step |", "|---|---|---|"]
     lines += [f"| {o} | {t:,.2f} | {t / max(base, 1e-9):.1%} |" for o, t in sorted(owners.items(), key=lambda x: -x[1])]
     lines += ["", "| top functions (self time, C calls included) | ms/step |", "|---|---|"]
-    lines += [f"| `{f[:110]}` | {t:,.2f} |" for f, t in sorted(funcs.items(), key=lambda x: -x[1])[:30]]
+    lines += [f"| `{f[:110]}` | {t:,.2f} |" for f, t in sorted(funcs.items(), key=lambda x: -x[1])[:top]]
     return "\n".join(lines), dict(owners)
 
 

@@ -26,13 +26,16 @@
 #                short one is refused before anything runs: the results files record it
 #   MEMORY_LOG   1: the sft and fastsft processes run with e2e's --memory-log (nbkit's decisions and the figures
 #                they came from, each capture's reserved memory, GPU memory after every optimizer step) in their logs
+#   FIRST_STEPS  1: after each sft or fastsft process, one more of the same path (5 steps, empty compile caches)
+#                with e2e's --first-steps-profile: where train()'s start and each of the first 4 steps go on the
+#                host (pyinstrument, in .whl/). Its results and log go to profiles/, apart from the timed rows
 #   NBKIT_SOURCE a folder whose nbkit/ is imported instead of the repo's (another commit's, unpacked with
 #                `git archive <commit> nbkit | tar -x -C <folder>`), to time it beside this one on the same machine
 #                (python -P: the working folder, the repo, is not put before PYTHONPATH)
 #
 # $OUT gets two files (the machine sends back 8 at most): recipe_round_<shape>.tar.gz, the results file of every
-# process (one per script run, written by write_results) and its log, rewritten after each process so a round cut
-# short keeps what finished; and recipe_round_<shape>.log, this script's status lines and table. Here:
+# process (one per script run, written by write_results) and its log (json/, logs/; profiles/ with FIRST_STEPS=1),
+# rewritten after each process so a round cut short keeps what finished; and recipe_round_<shape>.log, this script's status lines and table. Here:
 #   mkdir r && tar -xzf recipe_round_1.7b.tar.gz -C r && python -m benchmarks.recipe_table r/json
 set -u
 
@@ -45,6 +48,7 @@ TOKENS=${TOKENS:-2048}
 MODEL_DIR=${MODEL_DIR:-/tmp/nbkit-recipe-$SHAPE}
 WARM_CACHES=${WARM_CACHES:-0}
 MEMORY_LOG=${MEMORY_LOG:-0}
+FIRST_STEPS=${FIRST_STEPS:-0}
 : "${OUT:?set OUT: the folder the results go to}"
 if [ -n "${NBKIT_GIT_COMMIT:-}" ] && ! [[ $NBKIT_GIT_COMMIT =~ ^[0-9a-f]{40}$ ]]; then
     echo "NBKIT_GIT_COMMIT=$NBKIT_GIT_COMMIT: give the full 40-digit hash (git rev-parse HEAD); the results files need it" >&2
@@ -53,7 +57,7 @@ fi
 
 ROOT=$PWD
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/nbkit-recipe-round-XXXXXX") || exit 1
-mkdir -p "$OUT" "$WORK/json" "$WORK/logs" || exit 1
+mkdir -p "$OUT" "$WORK/json" "$WORK/logs" "$WORK/profiles" || exit 1
 SUMMARY=$OUT/recipe_round_$SHAPE.log
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
     HF_HUB_DISABLE_TELEMETRY=1
@@ -61,7 +65,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFOR
 say() { printf '[recipe_round %s] %s\n' "$(date +%H:%M:%S)" "$*" | tee -a "$SUMMARY"; }
 
 bundle() {  # the results and logs so far, as one file in $OUT (replaced whole)
-    tar -czf "$OUT/.recipe_round_$SHAPE.tar.gz" -C "$WORK" json logs &&
+    tar -czf "$OUT/.recipe_round_$SHAPE.tar.gz" -C "$WORK" json logs profiles &&
         mv -f "$OUT/.recipe_round_$SHAPE.tar.gz" "$OUT/recipe_round_$SHAPE.tar.gz"
 }
 
@@ -124,6 +128,15 @@ for mode in "${modes[@]}"; do
                     timeout -k 30 "$LIMIT" python3 -P -m benchmarks.e2e "${common[@]}" ${logged[@]+"${logged[@]}"} \
                     --paths "$path" >"$log" 2>&1
                 rc=$?
+                if [ "$FIRST_STEPS" = 1 ]; then  # cold again: its own empty caches
+                    rm -rf "$caches.first" && mkdir -p "$caches.first"
+                    env OUT="$WORK/profiles" PYTHONPATH="$NBKIT_PATH" TORCHINDUCTOR_CACHE_DIR="$caches.first/inductor" \
+                        TRITON_CACHE_DIR="$caches.first/triton" \
+                        timeout -k 30 "$LIMIT" python3 -P -m benchmarks.e2e "${common[@]}" --steps 5 \
+                        --first-steps-profile --paths "$path" >"$WORK/profiles/$key.log" 2>&1 ||
+                        say "$mode $path: the first-steps profile stopped with exit code $?"
+                    rm -rf "$caches.first"
+                fi
                 ;;
             unsloth)
                 (

@@ -8,6 +8,7 @@ writes its results file under the exact command line.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -148,10 +149,30 @@ def test_e2e_host_profile_reruns_the_path_and_says_where_the_host_time_goes(tmp_
     assert "top functions" in fast["host_profile"]
 
 
+def test_e2e_first_steps_profile_samples_each_of_the_first_steps_on_its_own(tmp_path, monkeypatch):
+    """--first-steps-profile: train()'s start and each of the first --warmup steps sampled apart, in order, each
+    step's sampled time its own wall time; the row says it was profiled."""
+    pytest.importorskip("pyinstrument")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    rows = e2e.main(["--tiny", "--paths", "fastsft", "--tokens", "256", "--steps", "2", "--warmup", "2",
+                     "--first-steps-profile"])
+    (row,) = rows
+    assert row["path"] == "fastsft (first steps host-profiled)" and not row.get("error"), row
+    text = row["first_steps_host"]
+    heads = re.findall(r"^#### (.+)$", text, re.M)
+    assert heads == ["train() before step 1", "step 1", "step 2"], heads
+    for step, wall in zip(text.split("#### step ")[1:], row["step_ms_all"]):
+        sampled = float(re.search(r"host time sampled per step: ([\d,.]+) ms", step).group(1).replace(",", ""))
+        assert sampled == pytest.approx(wall, rel=0.5) and f"(step wall {wall:,.1f} ms)" in step
+
+
 @pytest.mark.parametrize("path, owner", [
     ("/x/site-packages/torch/optim/adamw.py", "torch.optim"),
     ("/x/site-packages/torch/utils/checkpoint.py", "torch checkpoint"),
     ("/x/site-packages/torch/_tensor.py", "torch (other)"),
+    ("/x/site-packages/torch/_inductor/compile_fx.py", "torch.compile"),
+    ("/x/site-packages/torch/_dynamo/eval_frame.py", "torch.compile"),
+    ("/x/site-packages/triton/compiler/compiler.py", "triton"),
     ("/x/dist-packages/trl/trainer/sft_trainer.py", "trl"),
     ("/x/site-packages/bitsandbytes/autograd/_functions.py", "bitsandbytes"),
     ("/repo/nbkit/ops/lora_linear.py", "nbkit.ops.lora_linear"),
