@@ -35,7 +35,8 @@
 #
 # $OUT gets two files (the machine sends back 8 at most): recipe_round_<shape>.tar.gz, the results file of every
 # process (one per script run, written by write_results) and its log (json/, logs/; profiles/ with FIRST_STEPS=1),
-# rewritten after each process so a round cut short keeps what finished; and recipe_round_<shape>.log, this script's status lines and table. Here:
+# rewritten after each process so a round cut short keeps what finished; and recipe_round_<shape>.log, this
+# script's status lines and table. Here:
 #   mkdir r && tar -xzf recipe_round_1.7b.tar.gz -C r && python -m benchmarks.recipe_table r/json
 set -u
 
@@ -51,7 +52,8 @@ MEMORY_LOG=${MEMORY_LOG:-0}
 FIRST_STEPS=${FIRST_STEPS:-0}
 : "${OUT:?set OUT: the folder the results go to}"
 if [ -n "${NBKIT_GIT_COMMIT:-}" ] && ! [[ $NBKIT_GIT_COMMIT =~ ^[0-9a-f]{40}$ ]]; then
-    echo "NBKIT_GIT_COMMIT=$NBKIT_GIT_COMMIT: give the full 40-digit hash (git rev-parse HEAD); the results files need it" >&2
+    echo "NBKIT_GIT_COMMIT=$NBKIT_GIT_COMMIT: give the full 40-digit hash (git rev-parse HEAD);" \
+        "the results files need it" >&2
     exit 2
 fi
 
@@ -61,6 +63,13 @@ mkdir -p "$OUT" "$WORK/json" "$WORK/logs" "$WORK/profiles" || exit 1
 SUMMARY=$OUT/recipe_round_$SHAPE.log
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
     HF_HUB_DISABLE_TELEMETRY=1
+
+e2e() {  # e2e.py in a process of its own: e2e <results folder> <compile caches> <log> <e2e arguments...>
+    local out=$1 caches=$2 log=$3
+    shift 3
+    env OUT="$out" PYTHONPATH="$NBKIT_PATH" TORCHINDUCTOR_CACHE_DIR="$caches/inductor" \
+        TRITON_CACHE_DIR="$caches/triton" timeout -k 30 "$LIMIT" python3 -P -m benchmarks.e2e "$@" >"$log" 2>&1
+}
 
 say() { printf '[recipe_round %s] %s\n' "$(date +%H:%M:%S)" "$*" | tee -a "$SUMMARY"; }
 
@@ -123,17 +132,12 @@ for mode in "${modes[@]}"; do
         t1=$SECONDS
         case $path in
             sft | fastsft | fastsft\[*\])
-                env OUT="$WORK/json" PYTHONPATH="$NBKIT_PATH" TORCHINDUCTOR_CACHE_DIR="$caches/inductor" \
-                    TRITON_CACHE_DIR="$caches/triton" \
-                    timeout -k 30 "$LIMIT" python3 -P -m benchmarks.e2e "${common[@]}" ${logged[@]+"${logged[@]}"} \
-                    --paths "$path" >"$log" 2>&1
+                e2e "$WORK/json" "$caches" "$log" "${common[@]}" ${logged[@]+"${logged[@]}"} --paths "$path"
                 rc=$?
                 if [ "$FIRST_STEPS" = 1 ]; then  # cold again: its own empty caches
                     rm -rf "$caches.first" && mkdir -p "$caches.first"
-                    env OUT="$WORK/profiles" PYTHONPATH="$NBKIT_PATH" TORCHINDUCTOR_CACHE_DIR="$caches.first/inductor" \
-                        TRITON_CACHE_DIR="$caches.first/triton" \
-                        timeout -k 30 "$LIMIT" python3 -P -m benchmarks.e2e "${common[@]}" --steps 5 \
-                        --first-steps-profile --paths "$path" >"$WORK/profiles/$key.log" 2>&1 ||
+                    e2e "$WORK/profiles" "$caches.first" "$WORK/profiles/$key.log" "${common[@]}" --steps 5 \
+                        --first-steps-profile --paths "$path" ||
                         say "$mode $path: the first-steps profile stopped with exit code $?"
                     rm -rf "$caches.first"
                 fi
