@@ -202,6 +202,12 @@ def _restore_base(trainer: Any) -> torch.nn.Module:
 
 
 # ------------------------------------------------------------------------------------------------------- the paths
+# a profile's text: the row's key for it by the kind of extra run, and its heading
+EXTRA_TEXT = {"host": "host_profile", "gaps": "gpu_gaps", "gap_host": "gap_host"}
+TEXT_TITLE = {"profile": "profile", "host_profile": "host profile", "gpu_gaps": "GPU idle",
+              "gap_host": "host in GPU gaps", "first_steps_host": "host in the first steps"}
+
+
 def run_path(spec: str, base: torch.nn.Module, dataset: Any, args: argparse.Namespace,
              profile: bool, host: bool = False, gaps: bool = False,
              gap_host: bool = False) -> tuple[dict, torch.nn.Module, str]:
@@ -418,21 +424,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 row, base, text = run_path(spec, base, dataset, args, profile=spec == args.profile and not extra,
                                            host=extra == "host", gaps=extra == "gaps", gap_host=extra == "gap_host")
                 if text:
-                    kind = {"host": "host profile", "gaps": "GPU idle", "gap_host": "host in GPU gaps"}.get(extra,
-                                                                                                          "profile")
-                    kind = "host in the first steps" if "first_steps_host" in row else kind
-                    print(f"\n### {kind} of {spec} ({shape}, {tokens} tokens)\n\n{text}\n", flush=True)
-                    if "first_steps_host" not in row:
-                        row[{"host": "host_profile", "gaps": "gpu_gaps", "gap_host": "gap_host"}.get(extra,
-                                                                                                   "profile")] = text
+                    key = "first_steps_host" if "first_steps_host" in row else EXTRA_TEXT.get(extra, "profile")
+                    print(f"\n### {TEXT_TITLE[key]} of {spec} ({shape}, {tokens} tokens)\n\n{text}\n", flush=True)
+                    row[key] = text
                 if extra:
                     row["path"] = f"{spec} ({'host-profiled' if extra in ('host', 'gap_host') else 'GPU-profiled'})"
             except Exception as exc:
                 row = failed_row(spec, exc, **getattr(exc, "nbkit_stats", {}))
             run_rows.append(dict(row, shape=shape, tokens=tokens, weights=weights, load_s=load_s, recipe=args.recipe,
                                  cap_gib=cap_gib, compute=compute_of(args)))
-            print({k: v for k, v in run_rows[-1].items() if not isinstance(v, list) and k not in ("profile", "first_steps_host")},
-                  flush=True)
+            print({k: v for k, v in run_rows[-1].items() if not isinstance(v, list) and k not in TEXT_TITLE}, flush=True)
         rows += run_rows
         table = row_table(run_rows, args.recipe, paths)
         what = f"{tokens} tokens/step" if args.recipe == "packed" else f"{args.recipe} recipe, rows <= {tokens} tokens"

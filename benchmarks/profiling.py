@@ -182,29 +182,29 @@ class FirstStepsSampled:
         from pyinstrument import Profiler
         from transformers import TrainerCallback
 
-        self.count, self.sessions = count, []  # [(what, session)]
+        self.count, self.sessions = count, []  # [(what, index of the step or None, session)]
         outer = self
         running: list = []
 
-        def begin(what: str) -> None:
-            running.append((what, Profiler(interval=interval)))
-            running[-1][1].start()
+        def begin(what: str, index: int | None) -> None:
+            running.append((what, index, Profiler(interval=interval)))
+            running[-1][2].start()
 
         def end() -> None:
             if running:
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
-                what, profiler = running.pop()
-                outer.sessions.append((what, profiler.stop()))
+                what, index, profiler = running.pop()
+                outer.sessions.append((what, index, profiler.stop()))
 
         class _CB(TrainerCallback):
             def on_train_begin(self, args, state, control, **kw):
-                begin("train() before step 1")
+                begin("train() before step 1", None)
 
             def on_step_begin(self, args, state, control, **kw):
                 end()  # train()'s start, before step 1
                 if state.global_step < outer.count:
-                    begin(f"step {state.global_step + 1}")
+                    begin(f"step {state.global_step + 1}", state.global_step)
 
             def on_step_end(self, args, state, control, **kw):
                 end()
@@ -214,8 +214,7 @@ class FirstStepsSampled:
     def tables(self, step_ms: list[float], top: int = 12) -> str:
         """Each session's ``host_tables``, headed by what it sampled; ``step_ms``: the steps' wall times in order."""
         parts = []
-        for what, session in self.sessions:
-            index = int(what.split()[-1]) - 1 if what.startswith("step ") else None
+        for what, index, session in self.sessions:
             wall = step_ms[index] if index is not None and index < len(step_ms) else None
             parts.append(f"#### {what}\n\n" + host_tables(session, 1, wall, top=top)[0])
         return "\n\n".join(parts)
