@@ -74,7 +74,7 @@ import torch
 
 from nbkit.demo.tokenizer import load_demo_tokenizer
 
-from . import unsloth_recipe
+from . import results_names, unsloth_recipe
 from .common import (
     StepTimer,
     failed_row,
@@ -459,12 +459,10 @@ def caps_of(tokens: str) -> list[float | None]:
 
 
 def results_name(shape: str, args: argparse.Namespace, tokens: str, paths: list[str]) -> str:
-    """The results file's name (without .json) under $OUT: ``e2e_<shape>``, ``_notebook`` for that recipe; the Unsloth
-    recipe's names its compute dtype, the caps of ``tokens`` (``--tokens``) and the paths too
-    (``unsloth_recipe.results_name``)."""
-    if args.recipe == "unsloth":
-        return unsloth_recipe.results_name("e2e", shape, compute_of(args), caps_of(tokens), paths)
-    return f"e2e_{shape}" + ("_notebook" if args.recipe == "notebook" else "")
+    """The results file's name (without .json) under $OUT (``results_names.results_name``): the recipe (none for the
+    packed rows), the shape, the compute dtype, the caps of ``tokens`` (``--tokens``) and the paths."""
+    recipe = None if args.recipe == "packed" else args.recipe
+    return results_names.results_name("e2e", shape, compute_of(args), caps_of(tokens), paths, recipe=recipe)
 
 
 def each_path_alone(args: argparse.Namespace, argv: list[str], folder: str, shape: str) -> list[dict]:

@@ -13,8 +13,9 @@ back explicitly. ``--fp16``: float16 compute and training (as on a T4). ``N@G`` 
 GPU memory at G GiB for that row (``e2e.cap_memory``). Timing is ``common.StepTimer`` (CUDA events, one entry per
 optimizer step, the first ``--warmup`` steps dropped, ``summarize``'s median over full rows); each row records
 loss_first / loss_mean and peak allocated memory, and is written as path "unsloth" by ``write_results``
-($OUT/unsloth_e2e_<shape>.json, after each row), the versions of unsloth, unsloth_zoo and trl added to the
-environment. A row that fails (e.g. out of memory under the cap) is recorded with ``failed_row`` and the next one runs.
+($OUT/unsloth_e2e_<shape>_<dtype>_<caps>.json, after each row: ``results_names``), the versions of unsloth,
+unsloth_zoo and trl added to the environment. A row that fails (e.g. out of memory under the cap) is recorded with
+``failed_row`` and the next one runs.
 
 ``--recipe unsloth``: Unsloth's notebook recipe instead (``benchmarks/unsloth_recipe.py``, the same settings and
 data as ``e2e --recipe unsloth``), as its notebooks write it: ``from_pretrained(..., max_seq_length=<--tokens, default
@@ -51,7 +52,7 @@ import tempfile
 import time
 from typing import Any
 
-from . import unsloth_recipe
+from . import results_names, unsloth_recipe
 from .workload_args import resolve_defaults, workload_parser
 
 PATH = "unsloth"
@@ -176,8 +177,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     compute = "fp16" if args.fp16 else "bf16"
     recipe = args.recipe == unsloth_recipe.RECIPE
     folder = args.model_dir or tempfile.mkdtemp(prefix=f"nbkit-unsloth-e2e-{args.shape}-")
-    name = (unsloth_recipe.results_name("unsloth_e2e", args.shape, compute, caps_of(args.tokens)) if recipe
-            else f"unsloth_e2e_{args.shape}")
+    name = results_names.results_name("unsloth_e2e", args.shape, compute, caps_of(args.tokens),
+                                      recipe=unsloth_recipe.RECIPE if recipe else None)
     rows: list[dict] = []
     try:
         if os.path.isfile(os.path.join(folder, "config.json")):

@@ -1,5 +1,5 @@
 """Unsloth's notebook recipe, the one most notebook users run, as ``e2e`` and ``unsloth_e2e`` run it with
-``--recipe unsloth``: its settings, its data, its row and its results file's name.
+``--recipe unsloth``: its settings, its data and its row.
 
 The recipe (Unsloth's notebooks): NF4 4-bit + LoRA r=16, alpha 16, dropout 0, no bias, on all 7 projections;
 batch 2 x 4 accumulation steps, no packing, rows cut at ``max_length`` = 2,048 tokens, 5 warmup steps, learning rate
@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import math
 import random
-import re
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 RECIPE = "unsloth"
@@ -136,18 +135,3 @@ def _plain(value: Any) -> Any:
         return float(value)  # a 0-d tensor, a numpy scalar
     except (TypeError, ValueError):
         return str(value)
-
-
-def cap_label(cap_gib: float | None) -> str:
-    """``cap15`` for a process capped at 15 GiB, ``uncapped`` for none."""
-    return f"cap{cap_gib:g}" if cap_gib else "uncapped"
-
-
-def results_name(benchmark: str, shape: str, compute: str, caps: Sequence[float | None],
-                 paths: Sequence[str] = ()) -> str:
-    """The results file's name (without .json) of one run of the recipe: the benchmark, the recipe, the shape, the
-    compute dtype, the caps of its rows and its paths, e.g. ``e2e_recipe-unsloth_1.7b_fp16_cap15_fastsft``."""
-    parts = [benchmark, f"recipe-{RECIPE}", shape, compute, "+".join(cap_label(c) for c in caps)]
-    if paths:
-        parts.append("+".join(re.sub(r"[^\w.=-]+", "-", p).strip("-") for p in paths))
-    return "_".join(parts)

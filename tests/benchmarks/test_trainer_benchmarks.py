@@ -33,7 +33,7 @@ def test_e2e_tiny_runs_plain_trl_and_fastsft_to_the_same_first_loss(tmp_path, mo
     assert fast["loss_first"] == pytest.approx(sft["loss_first"], rel=1e-4)
     assert len(fast["losses"]) == len(sft["losses"]) == 3 and all(r["tokens"] == 256 for r in rows)
     assert "GPU kernel time per step" in fast["profile"] and "profile" not in sft  # the profiled path only
-    _check_written(tmp_path / "e2e_tiny.json", "e2e", argv, rows)
+    _check_written(tmp_path / "e2e_tiny_fp32_uncapped_sft+fastsft.json", "e2e", argv, rows)
 
 
 def test_e2e_each_path_alone_runs_every_path_in_its_own_process_on_one_saved_model(tmp_path, monkeypatch):
@@ -47,7 +47,7 @@ def test_e2e_each_path_alone_runs_every_path_in_its_own_process_on_one_saved_mod
     sft, fast = rows
     assert fast["loss_first"] == pytest.approx(sft["loss_first"], rel=1e-4)  # the same saved model and data
     assert (model / "config.json").is_file()  # --model-dir: kept for the next run
-    _check_written(tmp_path / "out" / "e2e_tiny.json", "e2e", argv, rows)
+    _check_written(tmp_path / "out" / "e2e_tiny_fp32_uncapped_sft+fastsft.json", "e2e", argv, rows)
 
 
 def test_e2e_each_path_alone_names_a_path_whose_process_wrote_nothing(tmp_path, monkeypatch):
@@ -83,7 +83,7 @@ def test_e2e_notebook_recipe_times_whole_optimizer_steps(tmp_path, monkeypatch):
         assert len(r["step_ms_all"]) == len(r["tokens_all"]) == len(r["losses"]) == 3
         assert all(8 * 8 <= t <= 8 * 120 for t in r["tokens_all"])  # 8 documents of 8..120 tokens, no padding
     assert fast["tokens_all"] == sft["tokens_all"] and fast["recipe"] == "notebook"
-    _check_written(tmp_path / "e2e_tiny_notebook.json", "e2e", argv, rows)
+    _check_written(tmp_path / "e2e_recipe-notebook_tiny_fp32_uncapped_sft+fastsft.json", "e2e", argv, rows)
 
 
 def test_e2e_a_failed_row_keeps_what_the_trainer_said_of_its_speedups(tmp_path, monkeypatch):
